@@ -1,0 +1,134 @@
+"""`BudgetedCache`: the BudgetDraft draft cache — a fixed budget of selected prefix tokens + recent tokens.
+
+BudgetDraft, arXiv 2606.00144, §3.1. On its first update (the prefill) each layer keeps, per KV head, at most
+`budget` prefix positions chosen by a `KeepPolicy` (chunk / streaming / snapkv); tokens after the prefill go
+to a ring window of the `window_length` most recent tokens (+ `slack` slots for rolling back a draft round).
+The prefill itself attends to the whole prompt; every later query reads `selected prefix + window + own block`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+
+from ..attention.query_capture import cancel_request, request_queries
+from .base import SparseDraftCache, SparseDraftLayer, check_size
+from .policies import KeepPolicy, get_policy
+
+
+class BudgetedLayer(SparseDraftLayer):
+    """Cache layer keeping a policy-selected prefix of at most `budget` tokens + a recent window."""
+
+    def __init__(self, policy: KeepPolicy, budget: int, window_length: int, slack: int, layer_idx: int):
+        super().__init__(window_length=window_length, slack=slack, static_capacity=budget)
+        self.policy, self.budget, self.layer_idx = policy, budget, layer_idx
+        self.prefix_length: int | None = None  # set by the prefill
+        self.num_kept = 0
+        self.kept_positions: torch.Tensor | None = None  # (B, H, num_kept) after the prefill
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
+
+    def _num_static(self, length: int) -> int:
+        self._check_not_pending()
+        return self.num_kept
+
+    def _check_not_pending(self) -> None:
+        if self._pending is not None:
+            cancel_request(self)
+            self._pending = None
+            raise ValueError(
+                f"policy={self.policy.name!r} scores the prefix with the prefill queries, but the model's attention "
+                "did not hand them over. Run the model inside `hf_budgetdraft.query_capture(model)` (generate() "
+                "with cache_implementation='budgeted' does this for you), or use policy='chunk'/'streaming'."
+            )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """First call: prefill `(B, H, L, D)`, attends fully, then the prefix is compressed to the budget.
+        Later calls: return `(B, H, kept + window + q, D)` and append the new tokens to the ring."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.prefix_length is None:
+            self._prefill(key_states, value_states)
+            return key_states, value_states
+        keys, values = self._with_past(key_states, value_states)
+        self.ring.write(key_states, value_states, self.cumulative_length)
+        self.cumulative_length += key_states.shape[-2]
+        return keys, values
+
+    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        length = key_states.shape[-2]
+        self.prefix_length = self.cumulative_length = length
+        self.ring.restart(length)
+        if length > self.budget and self.policy.needs_queries:
+            self._pending = (key_states, value_states)
+            request_queries(self, self.layer_idx)
+        else:
+            self._compress(key_states, value_states, None)
+
+    def receive_queries(self, queries: torch.Tensor) -> None:
+        """Called by the capturing attention function with the prefill queries `(B, H_q, L, D)`."""
+        if self._pending is None:
+            return
+        keys, values = self._pending
+        self._pending = None
+        self._compress(keys, values, queries[:, :, -self.policy.query_window :])
+
+    def _compress(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
+        positions = self.policy.select(keys, self.budget, queries)  # (B, H, n)
+        self.num_kept = positions.shape[-1]
+        self.kept_positions = positions
+        self.static_keys[:, :, : self.num_kept] = keys.gather(2, positions[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        self.static_values[:, :, : self.num_kept] = values.gather(
+            2, positions[..., None].expand(-1, -1, -1, values.shape[-1])
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        new_length = self._check_crop(tokens_to_remove)
+        if self.prefix_length is not None and new_length < self.prefix_length:
+            raise ValueError(
+                f"crop({tokens_to_remove}) would cut into the compressed prefix (length {self.prefix_length}); "
+                "a budgeted cache can only roll back tokens added after its prefill"
+            )
+        self._set_length(new_length)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prefix_length, self.num_kept, self.kept_positions, self._pending = None, 0, None, None
+
+
+class BudgetedCache(SparseDraftCache):
+    """Draft cache keeping at most `budget` prefix tokens per layer and KV head, chosen by `policy`.
+
+    Args:
+        config (`PreTrainedConfig`): the config of the model that will run on this cache.
+        budget (`int`, defaults to 512): prefix tokens kept per layer and KV head, B.
+        policy (`str` or `KeepPolicy`, defaults to `"chunk"`): `"chunk"` (BudgetDraft/TriForce), `"streaming"`,
+            `"snapkv"`, or a `KeepPolicy` instance.
+        window_length (`int`, defaults to 256): tokens after the prefill kept in the recent window.
+        slack (`int`, defaults to 32): the longest draft round that can be rolled back.
+        policy_kwargs (`dict`, *optional*): hyper-parameters of a named policy (e.g. `{"chunk_size": 16}`).
+
+    Example:
+        >>> cache = BudgetedCache(config=drafter.config, budget=64, policy="chunk")
+        >>> drafter(prompt_ids, cache=cache)
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        budget: int = 512,
+        policy: str | KeepPolicy = "chunk",
+        window_length: int = 256,
+        slack: int = 32,
+        policy_kwargs: dict | None = None,
+    ):
+        check_size("budget", budget, 1)
+        check_size("window_length", window_length, 1)
+        check_size("slack", slack, 1)
+        self.policy = get_policy(policy, **(policy_kwargs or {}))
+        self.policy.validate_budget(budget)
+        self.budget, self.window_length = budget, window_length
+        super().__init__(
+            config, lambda idx: BudgetedLayer(self.policy, budget, window_length, slack, layer_idx=idx), slack
+        )

@@ -1,0 +1,71 @@
+"""`SinkWindowCache`: the Windowed-MTP draft cache — an attention sink plus a sliding window.
+
+Windowed-MTP, arXiv 2607.21535 (sink S = 64, window W = 4032 in the paper). A query at logical length `L`
+reads positions `[0, min(S, L))` and `[max(S, L - W), L)`, plus the tokens of its own forward (a draft round
+is never windowed away). The window lives in a ring of `W + slack` slots, slot(p) = S + (p - S) mod (W + slack),
+so memory and per-step cost are constant in context length and a draft round of up to `slack` tokens rolls
+back exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+
+from .base import SparseDraftCache, SparseDraftLayer, check_size
+
+
+class SinkWindowLayer(SparseDraftLayer):
+    """Cache layer keeping `num_sink_tokens` sink tokens + the last `window_length` tokens."""
+
+    def __init__(self, num_sink_tokens: int, window_length: int, slack: int):
+        super().__init__(window_length=window_length, slack=slack, static_capacity=num_sink_tokens)
+        self.num_sink_tokens = num_sink_tokens
+
+    def _ring_start(self) -> int:
+        return self.num_sink_tokens
+
+    def _num_static(self, length: int) -> int:
+        return min(self.num_sink_tokens, length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `(B, H, q, D)` new keys/values; return `(B, H, sink + window + q, D)` for attention."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self._with_past(key_states, value_states)
+
+        length, new = self.cumulative_length, key_states.shape[-2]
+        into_sink = min(max(self.num_sink_tokens - length, 0), new)
+        if into_sink:
+            self.static_keys[:, :, length : length + into_sink] = key_states[:, :, :into_sink]
+            self.static_values[:, :, length : length + into_sink] = value_states[:, :, :into_sink]
+        if new > into_sink:
+            self.ring.write(key_states[:, :, into_sink:], value_states[:, :, into_sink:], length + into_sink)
+        self.cumulative_length = length + new
+        return keys, values
+
+
+class SinkWindowCache(SparseDraftCache):
+    """Draft cache with an attention sink and a sliding window in a preallocated ring buffer.
+
+    Args:
+        config (`PreTrainedConfig`): the config of the model that will run on this cache.
+        num_sink_tokens (`int`, defaults to 64): first tokens always kept (attention sink), S.
+        window_length (`int`, defaults to 1024): most recent past tokens kept, W.
+        slack (`int`, defaults to 32): extra ring slots; the longest draft round that can be rolled back.
+
+    Example:
+        >>> cache = SinkWindowCache(config=drafter.config, num_sink_tokens=4, window_length=48)
+        >>> drafter(input_ids, cache=cache)
+    """
+
+    def __init__(
+        self, config: PreTrainedConfig, num_sink_tokens: int = 64, window_length: int = 1024, slack: int = 32
+    ):
+        check_size("num_sink_tokens", num_sink_tokens, 0)
+        check_size("window_length", window_length, 1)
+        check_size("slack", slack, 1)
+        self.num_sink_tokens, self.window_length = num_sink_tokens, window_length
+        super().__init__(config, lambda idx: SinkWindowLayer(num_sink_tokens, window_length, slack), slack)

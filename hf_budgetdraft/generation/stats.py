@@ -1,0 +1,125 @@
+"""Per-round speculation statistics, recorded from any candidate generator while `record_speculation()` is open."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpeculationStats:
+    """What happened in each draft/verify round of one or more `generate()` calls.
+
+    `mean_accepted_length` = tokens emitted per verification round (accepted draft tokens + the target's own
+    token), as EAGLE/SGLang report "accept length"; `acceptance_rate` = accepted / proposed draft tokens, as
+    BudgetDraft reports it.
+    """
+
+    proposed_per_round: list[int] = field(default_factory=list)
+    accepted_per_round: list[int] = field(default_factory=list)
+    draft_seconds_per_round: list[float] = field(default_factory=list)
+    verify_seconds_per_round: list[float] = field(default_factory=list)
+
+    def add_round(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.proposed_per_round.append(proposed)
+        self.accepted_per_round.append(accepted)
+        self.draft_seconds_per_round.append(draft_seconds)
+        self.verify_seconds_per_round.append(verify_seconds)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted_per_round)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (sum(self.accepted_per_round) + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        proposed = sum(self.proposed_per_round)
+        return sum(self.accepted_per_round) / proposed if proposed else 0.0
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(self.draft_seconds_per_round)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(self.verify_seconds_per_round)
+
+    def acceptance_per_position(self) -> list[tuple[int, int]]:
+        """`(accepted, reached)` per draft position k: of the rounds whose draft reached position k (all
+        earlier drafts accepted), how many accepted draft token k too. Conditional acceptance = ratio."""
+        depth = max(self.proposed_per_round, default=0)
+        counts = []
+        for k in range(depth):
+            reached = sum(1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a >= k)
+            accepted = sum(1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a > k)
+            counts.append((accepted, reached))
+        return counts
+
+
+_active: ContextVar[SpeculationStats | None] = ContextVar("budgetdraft_speculation_stats", default=None)
+
+
+@contextlib.contextmanager
+def record_speculation() -> Iterator[SpeculationStats]:
+    """Record every speculative `generate()` round run inside the block.
+
+    Example:
+        >>> with record_speculation() as stats:
+        ...     target.generate(ids, assistant_model=drafter, cache_implementation="sink_window")
+        >>> stats.mean_accepted_length, stats.acceptance_rate
+    """
+    stats = SpeculationStats()
+    token = _active.set(stats)
+    try:
+        yield stats
+    finally:
+        _active.reset(token)
+
+
+def active_recorder() -> SpeculationStats | None:
+    return _active.get()
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+
+
+def instrument(generator, stats: SpeculationStats) -> None:
+    """Wrap a candidate generator's `get_candidates`/`update_candidate_strategy` to time and count rounds.
+
+    Draft time = inside `get_candidates`; verify time = from its return to `update_candidate_strategy`, i.e. the
+    target's forward plus the acceptance step.
+    """
+    get_candidates, update_strategy = generator.get_candidates, generator.update_candidate_strategy
+    round_state: dict = {}
+
+    def timed_get_candidates(input_ids, **kwargs):
+        _synchronize(input_ids)
+        start = time.perf_counter()
+        candidate_ids, candidate_logits = get_candidates(input_ids, **kwargs)
+        _synchronize(candidate_ids)
+        round_state.update(
+            draft=time.perf_counter() - start,
+            end=time.perf_counter(),
+            proposed=candidate_ids.shape[-1] - input_ids.shape[-1],
+        )
+        return candidate_ids, candidate_logits
+
+    def timed_update_candidate_strategy(input_ids, scores, num_matches):
+        _synchronize(input_ids)
+        stats.add_round(
+            round_state["proposed"], int(num_matches), round_state["draft"], time.perf_counter() - round_state["end"]
+        )
+        return update_strategy(input_ids, scores, num_matches)
+
+    generator.get_candidates = timed_get_candidates
+    generator.update_candidate_strategy = timed_update_candidate_strategy

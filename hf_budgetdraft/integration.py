@@ -1,0 +1,151 @@
+"""The one place that hooks into transformers' `generate()` (tested against the pinned 5.24 range).
+
+`install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
+`"budgeted"` valid and wraps two `GenerationMixin` steps:
+
+- `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
+  through `SparseDraftCandidateGenerator` while the target keeps its full `DynamicCache` (lossless).
+  Inside `record_speculation()`, every candidate generator (stock ones too) is instrumented.
+- `_prepare_cache_for_generation`: without a draft, the target itself runs on the sparse cache
+  (StreamingLLM-style, **lossy**: output can differ from full-cache greedy decoding).
+
+Every other `generate()` call goes to transformers untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import PreTrainedConfig
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin, GenerationMode
+
+from .attention.query_capture import CAPTURE_PREFIX
+from .attention.query_capture import register as register_query_capture
+from .cache import BudgetedCache, SinkWindowCache, SparseDraftCache
+from .generation.candidate_generator import SparseDraftCandidateGenerator
+from .generation.stats import active_recorder, instrument
+
+SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = {
+    "sink_window": SinkWindowCache,
+    "budgeted": BudgetedCache,
+}
+
+_originals: dict[str, object] = {}
+
+
+def build_sparse_cache(name: str, config: PreTrainedConfig, cache_config: dict | None) -> SparseDraftCache:
+    """Build the cache named by `cache_implementation` from `generate()`'s `cache_config` dict."""
+    cache_class = SPARSE_CACHE_IMPLEMENTATIONS[name]
+    kwargs = dict(cache_config or {})
+    accepted = [p for p in inspect.signature(cache_class.__init__).parameters if p not in ("self", "config")]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"cache_config keys {unknown} are not options of cache_implementation={name!r}; accepted: {accepted}"
+        )
+    return cache_class(config=config, **kwargs)
+
+
+def _check_assistant(target, assistant_model, generation_config, target_tokenizer, assistant_tokenizer) -> None:
+    name = generation_config.cache_implementation
+    if generation_config.use_mtp:
+        raise ValueError(
+            f"use_mtp=True with cache_implementation={name!r} (windowed MTP) is not supported by this version; "
+            "drop cache_implementation to run native MTP"
+        )
+    if generation_config.prompt_lookup_num_tokens is not None or assistant_model is None:
+        raise ValueError(
+            f"cache_implementation={name!r} names the draft model's cache, but this call has no draft model "
+            "(assistant_model=None); pass assistant_model=drafter"
+        )
+    if target_tokenizer is not None or assistant_tokenizer is not None:
+        raise ValueError(
+            f"cache_implementation={name!r} needs a drafter sharing the target's tokenizer; drop tokenizer=/"
+            "assistant_tokenizer= (universal assisted generation is not supported with sparse draft caches)"
+        )
+    target_vocab = target.config.get_text_config().vocab_size
+    draft_vocab = assistant_model.config.get_text_config().vocab_size
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"drafter vocab_size={draft_vocab} differs from the target's vocab_size={target_vocab}; the drafter "
+            "must share the target's tokenizer and vocabulary"
+        )
+
+
+def _get_candidate_generator(
+    self,
+    generation_config,
+    input_ids,
+    inputs_tensor,
+    logits_processor,
+    model_kwargs,
+    assistant_model=None,
+    target_tokenizer=None,
+    assistant_tokenizer=None,
+):
+    name = generation_config.cache_implementation
+    if name in SPARSE_CACHE_IMPLEMENTATIONS:
+        _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
+        generator = SparseDraftCandidateGenerator(
+            input_ids=input_ids,
+            assistant_model=assistant_model,
+            generation_config=generation_config,
+            model_kwargs=model_kwargs,
+            draft_cache=build_sparse_cache(name, assistant_model.config, generation_config.cache_config),
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+        )
+    else:
+        generator = _originals["_get_candidate_generator"](
+            self,
+            generation_config,
+            input_ids,
+            inputs_tensor,
+            logits_processor,
+            model_kwargs,
+            assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )
+    stats = active_recorder()
+    if stats is not None:
+        instrument(generator, stats)
+    return generator
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+    name = generation_config.cache_implementation
+    if name not in SPARSE_CACHE_IMPLEMENTATIONS or generation_mode == GenerationMode.ASSISTED_GENERATION:
+        # with a draft, the target keeps transformers' own full cache; only the draft's is sparse
+        return _originals["_prepare_cache_for_generation"](
+            self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+    if model_kwargs.get("cache") is not None:
+        raise ValueError("pass either cache_implementation= or cache=, not both")
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"cache_implementation={name!r} without a draft does not support padded batches (got an attention_mask "
+            "with zeros); generate one sequence at a time or without padding"
+        )
+    cache = build_sparse_cache(name, self.config, generation_config.cache_config)
+    policy = getattr(cache, "policy", None)
+    if policy is not None and policy.needs_queries and not self.config._attn_implementation.startswith(CAPTURE_PREFIX):
+        raise ValueError(
+            f"policy={policy.name!r} scores the prefix with queries; without a draft, run the call inside "
+            "`with hf_budgetdraft.query_capture(model):`"
+        )
+    model_kwargs["cache"] = cache
+
+
+def install() -> None:
+    """Register the sparse cache implementations with transformers' `generate()` (idempotent)."""
+    if _originals:
+        return
+    register_query_capture()
+    missing = tuple(n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS += missing
+    for method in (_get_candidate_generator, _prepare_cache_for_generation):
+        _originals[method.__name__] = getattr(GenerationMixin, method.__name__)
+        setattr(GenerationMixin, method.__name__, method)
