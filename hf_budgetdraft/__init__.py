@@ -7,7 +7,15 @@ output is exactly the target's.
 
 from . import integration
 from .attention.query_capture import query_capture
-from .cache import BudgetedCache, ChunkPolicy, KeepPolicy, SinkWindowCache, SnapKVPolicy, StreamingPolicy, cache_nbytes
+from .cache import (
+    BudgetedCache,
+    ChunkPolicy,
+    KeepPolicy,
+    SinkWindowCache,
+    SnapKVPolicy,
+    StreamingPolicy,
+    cache_nbytes,
+)
 from .generation.stats import SpeculationStats, record_speculation
 
 integration.install()

@@ -47,7 +47,9 @@ def build_sparse_cache(name: str, config: PreTrainedConfig, cache_config: dict |
     return cache_class(config=config, **kwargs)
 
 
-def _check_assistant(target, assistant_model, generation_config, target_tokenizer, assistant_tokenizer) -> None:
+def _check_assistant(
+    target, assistant_model, generation_config, target_tokenizer, assistant_tokenizer
+) -> None:
     name = generation_config.cache_implementation
     if generation_config.use_mtp:
         raise ValueError(
@@ -64,6 +66,7 @@ def _check_assistant(target, assistant_model, generation_config, target_tokenize
             f"cache_implementation={name!r} needs a drafter sharing the target's tokenizer; drop tokenizer=/"
             "assistant_tokenizer= (universal assisted generation is not supported with sparse draft caches)"
         )
+    # transformers itself refuses most mismatches first ("different tokenizers"); this also covers the rest
     target_vocab = target.config.get_text_config().vocab_size
     draft_vocab = assistant_model.config.get_text_config().vocab_size
     if target_vocab != draft_vocab:
@@ -114,7 +117,9 @@ def _get_candidate_generator(
     return generator
 
 
-def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+def _prepare_cache_for_generation(
+    self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+):
     name = generation_config.cache_implementation
     if name not in SPARSE_CACHE_IMPLEMENTATIONS or generation_mode == GenerationMode.ASSISTED_GENERATION:
         # with a draft, the target keeps transformers' own full cache; only the draft's is sparse
@@ -131,7 +136,11 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
         )
     cache = build_sparse_cache(name, self.config, generation_config.cache_config)
     policy = getattr(cache, "policy", None)
-    if policy is not None and policy.needs_queries and not self.config._attn_implementation.startswith(CAPTURE_PREFIX):
+    if (
+        policy is not None
+        and policy.needs_queries
+        and not self.config._attn_implementation.startswith(CAPTURE_PREFIX)
+    ):
         raise ValueError(
             f"policy={policy.name!r} scores the prefix with queries; without a draft, run the call inside "
             "`with hf_budgetdraft.query_capture(model):`"
@@ -144,7 +153,9 @@ def install() -> None:
     if _originals:
         return
     register_query_capture()
-    missing = tuple(n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS)
+    missing = tuple(
+        n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    )
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS += missing
     for method in (_get_candidate_generator, _prepare_cache_for_generation):
         _originals[method.__name__] = getattr(GenerationMixin, method.__name__)

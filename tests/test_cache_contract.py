@@ -22,7 +22,10 @@ operations = st.lists(
 
 
 def _kv(n, generator):
-    return (torch.randn(1, HEADS, n, DIM, generator=generator), torch.randn(1, HEADS, n, DIM, generator=generator))
+    return (
+        torch.randn(1, HEADS, n, DIM, generator=generator),
+        torch.randn(1, HEADS, n, DIM, generator=generator),
+    )
 
 
 def _visible_oracle(oracle, positions):
@@ -60,8 +63,12 @@ def run_sequence(layer, visible, prefill, ops, seed, queries_for=None):
             oracle.update(keys, values)
             oracle.keys, oracle.values = oracle.keys[:, :, : length + n], oracle.values[:, :, : length + n]
             if expected_past is not None:
-                torch.testing.assert_close(out_keys, torch.cat([expected_past[0], keys], dim=2), rtol=0, atol=0)
-                torch.testing.assert_close(out_values, torch.cat([expected_past[1], values], dim=2), rtol=0, atol=0)
+                torch.testing.assert_close(
+                    out_keys, torch.cat([expected_past[0], keys], dim=2), rtol=0, atol=0
+                )
+                torch.testing.assert_close(
+                    out_values, torch.cat([expected_past[1], values], dim=2), rtol=0, atol=0
+                )
             assert out_keys.shape[2] == kv_length, "get_mask_sizes disagrees with the keys returned"
             assert kv_offset == length - (kv_length - n)
             length += n
@@ -96,7 +103,11 @@ def test_sink_window_layer_matches_oracle(sink, window, prefill, ops, seed):
 
 @pytest.mark.parametrize(
     "policy,kwargs,budget",
-    [("chunk", {"chunk_size": 4}, 12), ("streaming", {"num_sink_tokens": 2}, 9), ("snapkv", {"window_size": 3}, 10)],
+    [
+        ("chunk", {"chunk_size": 4}, 12),
+        ("streaming", {"num_sink_tokens": 2}, 9),
+        ("snapkv", {"window_size": 3}, 10),
+    ],
 )
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(window=st.integers(1, 12), prefill=st.integers(1, 60), ops=operations, seed=st.integers(0, 2**16))

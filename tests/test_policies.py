@@ -22,11 +22,15 @@ def naive_chunk(keys, budget, size):
         scores = [float(keys[0, h, c * size : (c + 1) * size].mean(0) @ proxy) for c in range(num_chunks)]
         others = sorted(range(1, num_chunks), key=lambda c: -scores[c])[: (budget - tail) // size - 1]
         chunks = sorted([0, *others])
-        result.append([c * size + i for c in chunks for i in range(size)] + list(range(num_chunks * size, length)))
+        result.append(
+            [c * size + i for c in chunks for i in range(size)] + list(range(num_chunks * size, length))
+        )
     return result
 
 
-@pytest.mark.parametrize("length,budget,size", [(100, 32, 8), (103, 40, 8), (64, 64, 8), (30, 64, 8), (257, 51, 4)])
+@pytest.mark.parametrize(
+    "length,budget,size", [(100, 32, 8), (103, 40, 8), (64, 64, 8), (30, 64, 8), (257, 51, 4)]
+)
 def test_chunk_matches_naive_reference(length, budget, size):
     keys = _keys(length)
     got = ChunkPolicy(chunk_size=size).select(keys, budget)

@@ -39,7 +39,7 @@ FAMILIES: dict[str, dict] = {
     "phi3": {},
     "olmo2": {},
     "starcoder2": {"sliding_window": None},
-    "gpt_neox": {"num_key_value_heads": None},
+    "gpt_neox": {"num_key_value_heads": None, "attention_output_scale": 0.1},
     "granite": {},
 }
 
@@ -49,12 +49,13 @@ _ATTENTION_OUTPUT = re.compile(r"(self_attn\.o_proj|attention\.dense)\.weight$")
 
 def tiny_config(family: str, num_layers: int = TARGET_LAYERS):
     kwargs = {**COMMON, **FAMILIES[family], "num_hidden_layers": num_layers}
+    kwargs.pop("attention_output_scale", None)
     if kwargs.get("num_key_value_heads") is None:
         kwargs.pop("num_key_value_heads")
     return AutoConfig.for_model(family, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair(family: str, draft_layers: int, seed: int = 0):
     torch.manual_seed(seed)
     target = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").eval()
@@ -62,14 +63,19 @@ def _pair(family: str, draft_layers: int, seed: int = 0):
         target.get_output_embeddings().weight.mul_(3.0)
         for name, param in target.named_parameters():
             if _ATTENTION_OUTPUT.search(name):
-                param.mul_(0.03)
-    drafter = AutoModelForCausalLM.from_config(tiny_config(family, draft_layers), attn_implementation="eager").eval()
+                param.mul_(FAMILIES[family].get("attention_output_scale", 0.03))
+    drafter = AutoModelForCausalLM.from_config(
+        tiny_config(family, draft_layers), attn_implementation="eager"
+    ).eval()
     drafter.load_state_dict({k: v for k, v in target.state_dict().items() if k in drafter.state_dict()})
     return target, drafter
 
 
 def model_pair(
-    family: str, attn_implementation: str = "sdpa", num_assistant_tokens: int = 3, draft_layers: int = TARGET_LAYERS
+    family: str,
+    attn_implementation: str = "sdpa",
+    num_assistant_tokens: int = 3,
+    draft_layers: int = TARGET_LAYERS,
 ):
     """`(target, drafter)`: the drafter is the target's first `draft_layers` layers plus its head (by default all
     of them, so every rejected draft token is caused by the sparse draft cache). Fresh deep copies per call."""

@@ -49,7 +49,9 @@ def _eager_for(module: torch.nn.Module) -> Callable:
     # Each modeling file defines its own eager attention (softcapping, sinks, ...): use the module's own.
     family_eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if family_eager is None:
-        raise ValueError(f"{type(module).__name__} has no eager_attention_forward; use the sdpa capture instead")
+        raise ValueError(
+            f"{type(module).__name__} has no eager_attention_forward; use the sdpa capture instead"
+        )
     return family_eager
 
 

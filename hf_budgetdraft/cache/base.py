@@ -58,7 +58,9 @@ class SparseDraftLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_heads = key_states.shape[:2]
-        self.static_keys = key_states.new_zeros(*key_states.shape[:2], self.static_capacity, key_states.shape[-1])
+        self.static_keys = key_states.new_zeros(
+            *key_states.shape[:2], self.static_capacity, key_states.shape[-1]
+        )
         self.static_values = value_states.new_zeros(
             *value_states.shape[:2], self.static_capacity, value_states.shape[-1]
         )
@@ -114,7 +116,9 @@ class SparseDraftLayer(CacheLayerMixin):
             )
         new_length = self.cumulative_length + tokens_to_remove
         if new_length < 0:
-            raise ValueError(f"crop({tokens_to_remove}) removes more than the {self.cumulative_length} cached tokens")
+            raise ValueError(
+                f"crop({tokens_to_remove}) removes more than the {self.cumulative_length} cached tokens"
+            )
         if not self.ring.can_roll_back_to(new_length):
             raise ValueError(
                 f"crop({tokens_to_remove}) needs position {self.ring.window_start(new_length)}, already evicted "
@@ -145,7 +149,9 @@ class SparseDraftLayer(CacheLayerMixin):
         return 2 * static + self.ring.nbytes()
 
     def _unsupported(self, *args, **kwargs):
-        raise ValueError("sparse draft caches hold one sequence per batch row; beam search/reordering is unsupported")
+        raise ValueError(
+            "sparse draft caches hold one sequence per batch row; beam search/reordering is unsupported"
+        )
 
     reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 

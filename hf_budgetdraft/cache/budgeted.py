@@ -78,7 +78,9 @@ class BudgetedLayer(SparseDraftLayer):
         positions = self.policy.select(keys, self.budget, queries)  # (B, H, n)
         self.num_kept = positions.shape[-1]
         self.kept_positions = positions
-        self.static_keys[:, :, : self.num_kept] = keys.gather(2, positions[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        self.static_keys[:, :, : self.num_kept] = keys.gather(
+            2, positions[..., None].expand(-1, -1, -1, keys.shape[-1])
+        )
         self.static_values[:, :, : self.num_kept] = values.gather(
             2, positions[..., None].expand(-1, -1, -1, values.shape[-1])
         )

@@ -28,7 +28,9 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         inputs_tensor: torch.Tensor | None = None,
         logits_processor=None,
     ):
-        super().__init__(input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor, logits_processor)
+        super().__init__(
+            input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor, logits_processor
+        )
         if self.num_assistant_tokens > draft_cache.max_draft_tokens:
             raise ValueError(
                 f"num_assistant_tokens={self.num_assistant_tokens} exceeds the draft cache's rollback slack "
@@ -41,7 +43,9 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         policy = getattr(draft_cache, "policy", None)
         self._capture_prefill_queries = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
 
-    def _update_past_and_masks(self, input_ids: torch.LongTensor, remove_from_pkv: int = 0, num_added_tokens: int = 1):
+    def _update_past_and_masks(
+        self, input_ids: torch.LongTensor, remove_from_pkv: int = 0, num_added_tokens: int = 1
+    ):
         # Roll back exactly the rejected draft tokens, so the cache holds tokens [0, len - 1) and only the newest
         # token is fed. transformers' default also re-feeds the last accepted token, which would roll back into a
         # budgeted cache's compressed prefix right after the prefill.

@@ -58,8 +58,12 @@ class SpeculationStats:
         depth = max(self.proposed_per_round, default=0)
         counts = []
         for k in range(depth):
-            reached = sum(1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a >= k)
-            accepted = sum(1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a > k)
+            reached = sum(
+                1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a >= k
+            )
+            accepted = sum(
+                1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a > k
+            )
             counts.append((accepted, reached))
         return counts
 
@@ -117,7 +121,10 @@ def instrument(generator, stats: SpeculationStats) -> None:
     def timed_update_candidate_strategy(input_ids, scores, num_matches):
         _synchronize(input_ids)
         stats.add_round(
-            round_state["proposed"], int(num_matches), round_state["draft"], time.perf_counter() - round_state["end"]
+            round_state["proposed"],
+            int(num_matches),
+            round_state["draft"],
+            time.perf_counter() - round_state["end"],
         )
         return update_strategy(input_ids, scores, num_matches)
 

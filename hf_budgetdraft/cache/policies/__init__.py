@@ -18,7 +18,9 @@ def get_policy(policy: str | KeepPolicy, **policy_kwargs) -> KeepPolicy:
     """Resolve a policy name (with its hyper-parameters) or pass a `KeepPolicy` instance through."""
     if isinstance(policy, KeepPolicy):
         if policy_kwargs:
-            raise ValueError(f"policy_kwargs {sorted(policy_kwargs)} given with a policy instance; set them on it")
+            raise ValueError(
+                f"policy_kwargs {sorted(policy_kwargs)} given with a policy instance; set them on it"
+            )
         return policy
     if policy not in POLICIES:
         raise ValueError(f"unknown policy={policy!r}; choose one of {sorted(POLICIES)} or pass a KeepPolicy")

@@ -18,8 +18,12 @@ from .base import KeepPolicy, group_queries
 
 @dataclass
 class SnapKVPolicy(KeepPolicy):
-    window_size: int = field(default=32, metadata={"help": "Observation window: last prefill queries used to score."})
-    kernel_size: int = field(default=7, metadata={"help": "Max-pooling width over neighbouring positions (odd)."})
+    window_size: int = field(
+        default=32, metadata={"help": "Observation window: last prefill queries used to score."}
+    )
+    kernel_size: int = field(
+        default=7, metadata={"help": "Max-pooling width over neighbouring positions (odd)."}
+    )
 
     name = "snapkv"
 

@@ -14,7 +14,9 @@ from .base import KeepPolicy
 
 @dataclass
 class StreamingPolicy(KeepPolicy):
-    num_sink_tokens: int = field(default=8, metadata={"help": "First prefix tokens always kept (attention sink)."})
+    num_sink_tokens: int = field(
+        default=8, metadata={"help": "First prefix tokens always kept (attention sink)."}
+    )
 
     name = "streaming"
 
@@ -28,7 +30,7 @@ class StreamingPolicy(KeepPolicy):
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
         batch, heads, length = keys.shape[:3]
         recent = budget - self.num_sink_tokens
-        positions = torch.cat(
-            [torch.arange(self.num_sink_tokens), torch.arange(length - recent, length)]
-        ).to(keys.device)
+        positions = torch.cat([torch.arange(self.num_sink_tokens), torch.arange(length - recent, length)]).to(
+            keys.device
+        )
         return positions.expand(batch, heads, budget)

@@ -1,0 +1,185 @@
+"""Bad input fails loudly with a message that says what to change; the hook changes nothing else."""
+
+import pytest
+import torch
+from tiny_models import model_pair, random_prompt, tiny_config
+from transformers import AutoConfig, DynamicCache
+
+import hf_budgetdraft
+from hf_budgetdraft import (
+    BudgetedCache,
+    SinkWindowCache,
+    cache_nbytes,
+    integration,
+    query_capture,
+    record_speculation,
+)
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda c: SinkWindowCache(c, window_length=0), ValueError, "window_length must be in"),
+        (lambda c: SinkWindowCache(c, num_sink_tokens=-1), ValueError, "num_sink_tokens must be in"),
+        (lambda c: SinkWindowCache(c, window_length=1 << 30), ValueError, "window_length must be in"),
+        (lambda c: SinkWindowCache(c, slack=0), ValueError, "slack must be in"),
+        (lambda c: SinkWindowCache(c, window_length=8.5), TypeError, "window_length must be an int"),
+        (lambda c: BudgetedCache(c, budget=10, policy="chunk"), ValueError, "budget=10 is too small"),
+        (lambda c: BudgetedCache(c, budget=64, policy="h2o"), ValueError, "unknown policy='h2o'"),
+        (lambda c: SinkWindowCache(None), TypeError, "config must be the model's PreTrainedConfig"),
+    ],
+)
+def test_bad_cache_parameters(make, error, match):
+    with pytest.raises(error, match=match):
+        make(tiny_config("llama"))
+
+
+def test_model_without_full_attention_is_refused():
+    config = AutoConfig.for_model("mistral", num_hidden_layers=2, sliding_window=64)
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        SinkWindowCache(config)
+
+
+def test_model_with_non_attention_layers_is_refused():
+    config = AutoConfig.for_model("qwen3_next", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="can only replace attention KV caches"):
+        BudgetedCache(config, budget=64)
+
+
+def _generate(target, drafter, **kwargs):
+    defaults = dict(
+        assistant_model=drafter, do_sample=False, max_new_tokens=8, cache_implementation="sink_window"
+    )
+    return target.generate(random_prompt(64), **{**defaults, **kwargs})
+
+
+def test_draft_length_beyond_slack():
+    target, drafter = model_pair("llama", num_assistant_tokens=20)
+    with pytest.raises(ValueError, match="num_assistant_tokens=20 exceeds the draft cache's rollback slack"):
+        _generate(target, drafter, cache_config={"slack": 8})
+
+
+def test_unknown_cache_config_key():
+    target, drafter = model_pair("llama")
+    with pytest.raises(ValueError, match=r"cache_config keys \['windw'\]"):
+        _generate(target, drafter, cache_config={"windw": 8})
+
+
+def test_vocab_mismatch():
+    target, _ = model_pair("llama")
+    _, other = model_pair("qwen2")
+    other.resize_token_embeddings(130)
+    # transformers refuses a vocabulary mismatch itself before our generator is built; ours names the sizes
+    with pytest.raises(ValueError, match="different tokenizers"):
+        _generate(target, other)
+    with pytest.raises(ValueError, match="drafter vocab_size=130 differs from the target's vocab_size=128"):
+        integration._check_assistant(target, other, target.generation_config, None, None)
+
+
+def test_batch_above_one_is_refused():
+    target, drafter = model_pair("llama")
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        target.generate(
+            random_prompt(64).repeat(2, 1), assistant_model=drafter, cache_implementation="sink_window"
+        )
+    ids = random_prompt(64).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="does not support padded batches"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="sink_window")
+
+
+def test_sparse_cache_needs_a_draft_model_for_prompt_lookup():
+    target, _ = model_pair("llama")
+    with pytest.raises(ValueError, match="has no draft model"):
+        target.generate(random_prompt(64), prompt_lookup_num_tokens=3, cache_implementation="budgeted")
+
+
+def test_snapkv_without_query_capture_is_explained():
+    target, _ = model_pair("llama")
+    cache = BudgetedCache(target.config, budget=32, policy="snapkv", policy_kwargs={"window_size": 4})
+    target(random_prompt(64), cache=cache)
+    with pytest.raises(ValueError, match="query_capture"):
+        target(torch.tensor([[1]]), cache=cache)
+    with pytest.raises(ValueError, match="query_capture"):
+        target.generate(
+            random_prompt(64),
+            max_new_tokens=2,
+            cache_implementation="budgeted",
+            cache_config={"budget": 32, "policy": "snapkv", "policy_kwargs": {"window_size": 4}},
+        )
+
+
+def test_query_capture_restores_attention_and_feeds_snapkv():
+    target, _ = model_pair("llama", "eager")
+    cache = BudgetedCache(target.config, budget=32, policy="snapkv", policy_kwargs={"window_size": 4})
+    with query_capture(target):
+        assert target.config._attn_implementation == "budgetdraft_capture_eager"
+        target(random_prompt(64), cache=cache)
+        target(torch.tensor([[1]]), cache=cache)
+    assert target.config._attn_implementation == "eager"
+    assert cache.layers[0].num_kept == 32
+
+
+def test_install_is_idempotent_and_leaves_other_calls_alone():
+    before = dict(integration._originals)
+    integration.install()
+    assert integration._originals == before
+    target, drafter = model_pair("llama")
+    ids = random_prompt(64)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=8)
+    with record_speculation() as stats:  # stock assisted generation is recorded too
+        stock = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=8)
+    assert torch.equal(plain, stock)
+    assert stats.rounds > 0 and stats.draft_seconds > 0 and stats.verify_seconds > 0
+    assert stats.mean_accepted_length == (sum(stats.accepted_per_round) + stats.rounds) / stats.rounds
+
+
+def test_stats_fields():
+    stats = hf_budgetdraft.SpeculationStats()
+    for proposed, accepted in [(3, 3), (3, 1), (3, 0), (2, 2)]:
+        stats.add_round(proposed, accepted, 0.1, 0.2)
+    assert stats.rounds == 4 and stats.accepted_per_round == [3, 1, 0, 2]
+    assert stats.mean_accepted_length == 10 / 4
+    assert stats.acceptance_rate == 6 / 11
+    assert stats.acceptance_per_position() == [(3, 4), (2, 3), (1, 1)]
+    assert stats.draft_seconds == pytest.approx(0.4) and stats.verify_seconds == pytest.approx(0.8)
+
+
+def test_target_alone_on_a_sparse_cache_is_lossy_but_bounded():
+    target, _ = model_pair("llama")
+    out = target.generate(
+        random_prompt(200),
+        do_sample=False,
+        max_new_tokens=8,
+        cache_implementation="sink_window",
+        cache_config={"num_sink_tokens": 4, "window_length": 16},
+        return_dict_in_generate=True,
+    )
+    assert out.sequences.shape[1] == 208
+    assert isinstance(out.cache, SinkWindowCache)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c: SinkWindowCache(c, num_sink_tokens=16, window_length=128),
+        lambda c: BudgetedCache(c, budget=128, policy="chunk"),
+        lambda c: BudgetedCache(c, budget=128, policy="streaming", window_length=64),
+    ],
+)
+def test_memory_is_independent_of_context_length(make):
+    target, _ = model_pair("llama")
+    sizes = []
+    for context in (1024, 8192):
+        cache = make(target.config)
+        with torch.no_grad():
+            target(random_prompt(context), cache=cache)
+            for token in range(5):
+                target(torch.tensor([[token]]), cache=cache)
+        sizes.append(cache.nbytes())
+    full = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(random_prompt(1024), cache=full)
+    assert sizes[0] == sizes[1]
+    assert sizes[0] < cache_nbytes(full)

@@ -1,0 +1,99 @@
+"""Greedy output with a sparse draft cache must be token-identical to the target's own greedy output.
+
+Matrix: 10 decoder families x {eager, sdpa} x {sink_window, budgeted(chunk|streaming|snapkv)}; prompts are
+several times longer than the window/budget, so the draft's eviction really happens."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, model_pair, random_prompt, supports
+
+from hf_budgetdraft import record_speculation
+
+PROMPT_LENGTH, NEW_TOKENS = 240, 48
+CACHES = {
+    "sink_window": ("sink_window", {"num_sink_tokens": 4, "window_length": 32, "slack": 8}),
+    "budgeted-chunk": ("budgeted", {"budget": 48, "policy": "chunk", "window_length": 16}),
+    "budgeted-streaming": ("budgeted", {"budget": 48, "policy": "streaming"}),
+    "budgeted-snapkv": ("budgeted", {"budget": 48, "policy": "snapkv", "policy_kwargs": {"window_size": 8}}),
+}
+GAMMA = 3
+
+
+def speculate(target, drafter, ids, cache_name, **kwargs):
+    implementation, cache_config = CACHES[cache_name]
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            cache_implementation=implementation,
+            cache_config=cache_config,
+            **kwargs,
+        )
+    return out, stats
+
+
+@pytest.mark.parametrize("cache_name", list(CACHES))
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_identical_to_target(family, attn_implementation, cache_name):
+    if not supports(family, attn_implementation):
+        pytest.skip(f"{family} has no {attn_implementation} attention in transformers")
+    target, drafter = model_pair(family, attn_implementation, num_assistant_tokens=GAMMA)
+    ids = random_prompt(PROMPT_LENGTH)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    out, stats = speculate(target, drafter, ids, cache_name)
+    assert torch.equal(out, expected), f"first diff at {(out != expected).nonzero()[:1].tolist()}"
+    # the check can fail: the sparse draft both agreed and disagreed with the target
+    assert sum(stats.accepted_per_round) > 0
+    assert sum(stats.proposed_per_round) > sum(stats.accepted_per_round)
+    assert stats.rounds < NEW_TOKENS
+
+
+@pytest.mark.parametrize("cache_name", list(CACHES))
+@pytest.mark.parametrize("family", ["llama", "phi3", "starcoder2"])
+def test_rounds_with_full_partial_and_zero_acceptance(family, cache_name):
+    target, drafter = model_pair(family, "sdpa", num_assistant_tokens=GAMMA)
+    ids = random_prompt(PROMPT_LENGTH)
+    out, stats = speculate(target, drafter, ids, cache_name)
+    accepted = stats.accepted_per_round
+    assert any(a == GAMMA for a in accepted), accepted
+    assert any(0 < a < GAMMA for a in accepted), accepted
+    assert any(a == 0 for a in accepted), accepted
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
+
+
+def test_smaller_drafter_from_first_layers():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=GAMMA, draft_layers=1)
+    ids = random_prompt(PROMPT_LENGTH, seed=1)
+    out, _ = speculate(target, drafter, ids, "budgeted-chunk")
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
+
+
+def test_heuristic_schedule_is_capped_by_slack():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=2)
+    drafter.generation_config.num_assistant_tokens_schedule = "heuristic"
+    ids = random_prompt(PROMPT_LENGTH, seed=2)
+    out, stats = speculate(target, drafter, ids, "sink_window")  # slack 8
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
+    assert max(stats.proposed_per_round) <= 8
+    assert len(set(stats.proposed_per_round)) > 1  # the schedule did move
+
+
+def test_window_covering_the_whole_context_equals_native_assisted():
+    target, drafter = model_pair("qwen2", "sdpa", num_assistant_tokens=GAMMA)
+    ids = random_prompt(PROMPT_LENGTH, seed=3)
+    with record_speculation() as native:
+        expected = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS)
+    with record_speculation() as windowed:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            cache_implementation="sink_window",
+            cache_config={"num_sink_tokens": 4, "window_length": 4096},
+        )
+    assert torch.equal(out, expected)
+    assert windowed.accepted_per_round == native.accepted_per_round
