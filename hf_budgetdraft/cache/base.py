@@ -170,7 +170,7 @@ class SparseDraftCache(Cache):
             )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = []
-        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             if layer_type == "full_attention":
                 layers.append(make_layer(idx))
             elif layer_type in ("sliding_attention", "chunked_attention"):

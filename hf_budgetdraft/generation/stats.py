@@ -59,10 +59,14 @@ class SpeculationStats:
         counts = []
         for k in range(depth):
             reached = sum(
-                1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a >= k
+                1
+                for p, a in zip(self.proposed_per_round, self.accepted_per_round, strict=True)
+                if p > k and a >= k
             )
             accepted = sum(
-                1 for p, a in zip(self.proposed_per_round, self.accepted_per_round) if p > k and a > k
+                1
+                for p, a in zip(self.proposed_per_round, self.accepted_per_round, strict=True)
+                if p > k and a > k
             )
             counts.append((accepted, reached))
         return counts
