@@ -1,0 +1,171 @@
+"""Per-draft-step cost of one drafter on a full `DynamicCache` vs `sink_window` vs `budgeted`, vs context length.
+
+The "draft-KV tax" (Windowed-MTP, arXiv 2607.21535): a drafter attending over the whole cache pays a per-step cost
+that grows with context; a sparse draft cache makes it constant. For each context length the three caches are
+prefilled once, then timed interleaved (A B C A B C ...) over `--repeats` blocks of `--steps` one-token draft
+steps, each block rolled back with `crop(-steps)` so the context stays fixed. Writes JSON and a Markdown table.
+
+Run it alone (no other busy process: on 2 cores a second one stalls torch's threads):
+    python benchmarks/draft_step_cost.py --threads 2 --output-dir bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_budgetdraft  # noqa: F401
+from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes
+
+
+def drafter_config(max_positions: int) -> LlamaConfig:
+    """The drafter of shared/MEASURED.md: hidden 256, 2 layers, GQA 4:1."""
+    return LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        rope_theta=1e6,
+    )
+
+
+def make_caches(config, args) -> dict:
+    return {
+        "full": DynamicCache(config=config),
+        "sink_window": SinkWindowCache(
+            config, num_sink_tokens=args.sink, window_length=args.window, slack=args.steps
+        ),
+        "budgeted": BudgetedCache(config, budget=args.budget, policy="chunk", slack=args.steps),
+    }
+
+
+@torch.inference_mode()
+def time_block(model, cache, context: int, steps: int, token: torch.Tensor) -> float:
+    """Seconds per one-token draft step over `steps` steps, then roll the cache back to `context`."""
+    start = time.perf_counter()
+    for i in range(steps):
+        model(token, cache=cache, position_ids=torch.tensor([[context + i]]), logits_to_keep=1)
+    elapsed = time.perf_counter() - start
+    cache.crop(-steps)
+    return elapsed / steps
+
+
+def bootstrap_ratio_ci(
+    num: list[float], den: list[float], draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% bootstrap interval of median(num) / median(den), resampling the interleaved repeats in pairs."""
+    generator = torch.Generator().manual_seed(seed)
+    n = len(num)
+    a, b = torch.tensor(num), torch.tensor(den)
+    idx = torch.randint(0, n, (draws, n), generator=generator)
+    ratios = a[idx].median(dim=1).values / b[idx].median(dim=1).values
+    return float(ratios.quantile(0.025)), float(ratios.quantile(0.975))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved blocks per cache and context")
+    parser.add_argument("--steps", type=int, default=8, help="draft steps per block (= the draft length γ)")
+    parser.add_argument("--sink", type=int, default=64)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
+    args = parser.parse_args()
+    if max(args.contexts) > 262144 or args.repeats > 1000 or args.steps > 256:
+        parser.error("contexts <= 262144, repeats <= 1000, steps <= 256")
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = drafter_config(max(args.contexts) + args.steps + 1)
+    model = LlamaForCausalLM(config).eval()
+    token = torch.tensor([[7]])
+    records = []
+    for context in args.contexts:
+        prompt = torch.randint(0, config.vocab_size, (1, context))
+        caches = make_caches(config, args)
+        with torch.inference_mode():
+            for cache in caches.values():
+                model(prompt, cache=cache, logits_to_keep=1)
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for cache in caches.values():  # warm-up, untimed
+            time_block(model, cache, context, args.steps, token)
+        for _ in range(args.repeats):
+            for name, cache in caches.items():
+                times[name].append(time_block(model, cache, context, args.steps, token))
+        for name, cache in caches.items():
+            record = {
+                "context_length": context,
+                "cache": name,
+                "step_ms_median": 1e3 * statistics.median(times[name]),
+                "step_ms_all": [1e3 * t for t in times[name]],
+                "draft_cache_bytes": cache_nbytes(cache),
+            }
+            if name != "full":
+                low, high = bootstrap_ratio_ci(times["full"], times[name])
+                record["full_over_this"] = statistics.median(times["full"]) / statistics.median(times[name])
+                record["full_over_this_ci95"] = [low, high]
+            records.append(record)
+        line = ", ".join(f"{r['cache']} {r['step_ms_median']:.2f} ms" for r in records[-3:])
+        print(f"context {context}: {line}", flush=True)
+
+    def median_ms(cache: str, context: int) -> float:
+        return next(
+            r["step_ms_median"] for r in records if r["cache"] == cache and r["context_length"] == context
+        )
+
+    lo, hi = min(args.contexts), max(args.contexts)
+    growth = {name: median_ms(name, hi) / median_ms(name, lo) for name in ("full", "sink_window", "budgeted")}
+    summary = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor_count": torch.get_num_threads(),
+        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
+        "growth_from_min_to_max_context": growth,
+        "records": records,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "draft_step_cost.json").write_text(json.dumps(summary, indent=2))
+
+    rows = [
+        "| context | full (ms) | sink_window (ms) | budgeted (ms) | full/sink_window [95% CI] | full/budgeted [95% CI] "
+        "| draft KV full / sink_window / budgeted (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for context in args.contexts:
+        cell = {r["cache"]: r for r in records if r["context_length"] == context}
+        sw, bd = cell["sink_window"], cell["budgeted"]
+        rows.append(
+            f"| {context} | {cell['full']['step_ms_median']:.2f} | {sw['step_ms_median']:.2f} | "
+            f"{bd['step_ms_median']:.2f} | {sw['full_over_this']:.2f} [{sw['full_over_this_ci95'][0]:.2f}, "
+            f"{sw['full_over_this_ci95'][1]:.2f}] | {bd['full_over_this']:.2f} [{bd['full_over_this_ci95'][0]:.2f}, "
+            f"{bd['full_over_this_ci95'][1]:.2f}] | {cell['full']['draft_cache_bytes'] / 2**20:.1f} / "
+            f"{sw['draft_cache_bytes'] / 2**20:.1f} / {bd['draft_cache_bytes'] / 2**20:.1f} |"
+        )
+    rows.append("")
+    rows.append(
+        f"Step-cost growth {lo} -> {hi} tokens: full x{growth['full']:.2f}, sink_window x{growth['sink_window']:.2f}, "
+        f"budgeted x{growth['budgeted']:.2f} ({args.threads} torch threads, {args.repeats} interleaved repeats of "
+        f"{args.steps} steps, medians)."
+    )
+    table = "\n".join(rows)
+    (args.output_dir / "draft_step_cost.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

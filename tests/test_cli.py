@@ -1,0 +1,39 @@
+"""The `hf-budgetdraft` command line runs end to end and checks its own output against the target's greedy."""
+
+import pytest
+
+from hf_budgetdraft.cli import main
+
+
+@pytest.mark.parametrize("cache", ["sink_window", "budgeted", "full"])
+def test_generate_random_models(cache, capsys):
+    code = main(
+        [
+            "generate",
+            "--random_models",
+            "--context_length",
+            "300",
+            "--max_new_tokens",
+            "6",
+            "--cache",
+            cache,
+            "--window_length",
+            "64",
+            "--num_sink_tokens",
+            "4",
+            "--budget",
+            "64",
+            "--threads",
+            "1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in out
+
+
+def test_bad_arguments(capsys):
+    assert main([]) == 2
+    with pytest.raises(SystemExit):
+        main(["generate", "--random_models", "--cache", "dense"])
+    assert "--cache must be sink_window, budgeted or full" in capsys.readouterr().err
