@@ -19,24 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes
-
-
-def drafter_config(max_positions: int) -> LlamaConfig:
-    """The drafter of shared/MEASURED.md: hidden 256, 2 layers, GQA 4:1."""
-    return LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        rope_theta=1e6,
-    )
+from hf_budgetdraft.random_models import random_llama_config
 
 
 def make_caches(config, args) -> dict:
@@ -90,7 +77,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = drafter_config(max(args.contexts) + args.steps + 1)
+    config = random_llama_config(2, max(args.contexts) + args.steps + 1)  # the drafter of shared/MEASURED.md
     model = LlamaForCausalLM(config).eval()
     token = torch.tensor([[7]])
     records = []

@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from . import record_speculation
 from .cache.base import MAX_CACHE_TOKENS
+from .random_models import random_pair
 
 
 @dataclass
@@ -60,29 +61,6 @@ class GenerateArguments:
             raise ValueError("pass either --random_models or both --target and --drafter")
 
 
-def _random_pair(seed: int, max_positions: int):
-    """A 4-layer random Llama target and a drafter made of its first 2 layers plus its head."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        rope_theta=1e6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    target = LlamaForCausalLM(config).eval()
-    draft_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})
-    drafter = LlamaForCausalLM(draft_config).eval()
-    drafter.load_state_dict({k: v for k, v in target.state_dict().items() if k in drafter.state_dict()})
-    return target, drafter, None
-
-
 def _load_pair(args: GenerateArguments):
     def load(path):
         return AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, local_files_only=True).eval()
@@ -107,7 +85,8 @@ def _prompt_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> torch.Lo
 def generate_command(args: GenerateArguments) -> int:
     torch.set_num_threads(args.threads)
     if args.random_models:
-        target, drafter, tokenizer = _random_pair(args.seed, args.context_length + args.max_new_tokens + 1)
+        target, drafter = random_pair(args.seed, args.context_length + args.max_new_tokens + 1)
+        tokenizer = None
     else:
         target, drafter, tokenizer = _load_pair(args)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)

@@ -20,7 +20,8 @@ GAMMA = 3
 
 
 def speculate(target, drafter, ids, cache_name, **kwargs):
-    implementation, cache_config = CACHES[cache_name]
+    implementation, cache_config = CACHES.get(cache_name, (cache_name, {}))
+    cache_config = kwargs.pop("cache_config", cache_config)
     with record_speculation() as stats:
         out = target.generate(
             ids,
@@ -86,14 +87,8 @@ def test_window_covering_the_whole_context_equals_native_assisted():
     ids = random_prompt(PROMPT_LENGTH, seed=3)
     with record_speculation() as native:
         expected = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS)
-    with record_speculation() as windowed:
-        out = target.generate(
-            ids,
-            assistant_model=drafter,
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            cache_implementation="sink_window",
-            cache_config={"num_sink_tokens": 4, "window_length": 4096},
-        )
+    out, windowed = speculate(
+        target, drafter, ids, "sink_window", cache_config={"num_sink_tokens": 4, "window_length": 4096}
+    )
     assert torch.equal(out, expected)
     assert windowed.accepted_per_round == native.accepted_per_round
