@@ -68,8 +68,9 @@ class RingWindow:
         end = first_position + q
         keep = min(q, self.capacity)
         slots = self._slots(end - keep, end, self.keys.device)
-        self.keys.index_copy_(2, slots, key_states[:, :, q - keep :])
-        self.values.index_copy_(2, slots, value_states[:, :, q - keep :])
+        # stored detached: a training step backpropagates through the keys `update` returns, not through the buffer
+        self.keys.index_copy_(2, slots, key_states[:, :, q - keep :].detach())
+        self.values.index_copy_(2, slots, value_states[:, :, q - keep :].detach())
         self.valid_from = max(self.valid_from, end - self.capacity)
 
     def can_roll_back_to(self, length: int) -> bool:

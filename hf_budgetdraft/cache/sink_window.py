@@ -39,8 +39,8 @@ class SinkWindowLayer(SparseDraftLayer):
         length, new = self.cumulative_length, key_states.shape[-2]
         into_sink = min(max(self.num_sink_tokens - length, 0), new)
         if into_sink:
-            self.static_keys[:, :, length : length + into_sink] = key_states[:, :, :into_sink]
-            self.static_values[:, :, length : length + into_sink] = value_states[:, :, :into_sink]
+            self.static_keys[:, :, length : length + into_sink] = key_states[:, :, :into_sink].detach()
+            self.static_values[:, :, length : length + into_sink] = value_states[:, :, :into_sink].detach()
         if new > into_sink:
             self.ring.write(key_states[:, :, into_sink:], value_states[:, :, into_sink:], length + into_sink)
         self.cumulative_length = length + new
