@@ -78,11 +78,12 @@ class BudgetedLayer(SparseDraftLayer):
         positions = self.policy.select(keys, self.budget, queries)  # (B, H, n)
         self.num_kept = positions.shape[-1]
         self.kept_positions = positions
-        self.static_keys[:, :, : self.num_kept] = keys.gather(
-            2, positions[..., None].expand(-1, -1, -1, keys.shape[-1])
+        index = positions[..., None]  # (B, H, n, 1)
+        self.static_keys[:, :, : self.num_kept] = keys.detach().gather(
+            2, index.expand(-1, -1, -1, keys.shape[-1])
         )
-        self.static_values[:, :, : self.num_kept] = values.gather(
-            2, positions[..., None].expand(-1, -1, -1, values.shape[-1])
+        self.static_values[:, :, : self.num_kept] = values.detach().gather(
+            2, index.expand(-1, -1, -1, values.shape[-1])
         )
 
     def crop(self, tokens_to_remove: int) -> None:
