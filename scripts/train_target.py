@@ -1,0 +1,242 @@
+"""Train the bundled demo target: a small GLM-4-style model (all layers dense, partial RoPE, one MTP layer slot)
+that has to use long context — passkey retrieval at 16K tokens, trained on CPU at <= 2K tokens.
+
+What makes a 10M-parameter model retrieve across 16K tokens on a CPU budget (see shared/MEASURED.md for what did
+not work): a mix where copying is frequent and easy from the start — passkeys (classic and real-text haystacks)
+and repeated spans (induction) beside natural text — so copy heads form early; partial RoPE (half of each head's
+dims unrotated) so content matching does not depend on distance; and PoSE (Zhu et al., arXiv 2309.10400): each
+training sequence is split in two and the second part's positions are shifted by a random skip, so relative
+distances up to `--max-position` are seen while sequences stay short. An explicit all-ones attention mask keeps
+transformers from reading the position jump as a packed-sequence boundary.
+
+Resumable: `--resume` continues from `<out>/checkpoint` (weights, optimizer, step, RNG). Logs JSON lines to
+`<out>/log.jsonl`, with passkey accuracy at several lengths every `--eval-every` steps.
+
+    python scripts/train_target.py --corpus data/corpus --out runs/target --threads 1 [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
+
+from hf_budgetdraft.eval.tasks import passkey_sample
+
+
+def target_config(tokenizer, max_position: int) -> Glm4MoeConfig:
+    layers = 8
+    return Glm4MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=320,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,  # every layer dense: no MoE
+        num_attention_heads=10,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        use_qk_norm=True,
+        max_position_embeddings=max_position,
+        num_mtp_layers=1,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+class Sampler:
+    """Draws training sequences: natural text, passkeys, repeated spans; each with an optional PoSE skip."""
+
+    def __init__(self, tokenizer, corpus: Path, max_position: int, seed: int):
+        self.tokenizer, self.max_position = tokenizer, max_position
+        self.rng = random.Random(seed)
+        docs = [json.loads(line)["text"] for line in (corpus / "train.jsonl").read_text().splitlines()]
+        eos = tokenizer.eos_token_id
+        self.tokens = torch.tensor([t for d in docs for t in tokenizer(d).input_ids + [eos]])
+        print(f"corpus: {len(docs)} documents, {self.tokens.numel():,} tokens", flush=True)
+
+    def _text(self, length: int) -> list[int]:
+        start = self.rng.randrange(0, self.tokens.numel() - length)
+        return self.tokens[start : start + length].tolist()
+
+    def sample(self, length: int) -> tuple[list[int], list[int]]:
+        """Returns `(token_ids, position_ids)` of `length + 1` tokens (inputs + the last label)."""
+        kind = self.rng.choices(["text", "passkey", "copy"], weights=[0.4, 0.3, 0.3])[0]
+        total = length + 1
+        if kind == "text":
+            ids, split = self._text(total), self.rng.randrange(1, total)
+        elif kind == "copy":
+            span = self.rng.randint(8, 48)
+            base = self._text(total - span)
+            source = self.rng.randrange(0, total - 3 * span)
+            ids, split = (
+                base + base[source : source + span],
+                self.rng.randrange(source + span, total - span + 1),
+            )
+        else:
+            haystack = torch.tensor(self._text(total)) if self.rng.random() < 0.5 else None
+            answer_len = 1 + 5 + 1  # " " digits + eos (upper bound used to size the prompt)
+            sample = passkey_sample(
+                self.tokenizer, total - answer_len, seed=self.rng.randrange(1 << 30), haystack_ids=haystack
+            )
+            ids = sample.input_ids[0].tolist() + sample.answer_ids[0].tolist() + [self.tokenizer.eos_token_id]
+            ids = (ids + self._text(total))[:total]
+            needle_end = sample.needle_position + 20
+            question_start = sample.input_ids.shape[1] - 12
+            split = self.rng.randrange(min(needle_end, question_start), question_start + 1)
+        positions = list(range(total))
+        if self.rng.random() < 0.6:  # PoSE: shift the second part by a random skip
+            skip = self.rng.randrange(0, self.max_position - total)
+            positions = positions[:split] + [p + skip for p in positions[split:]]
+        return ids, positions
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def length_at(step: int) -> tuple[int, int]:
+    """(sequence length, batch size): short first so copying is learned cheaply, then longer."""
+    if step < 2500:
+        return 512, 8
+    if step < 6000:
+        return 1024, 4
+    return 2048, 2
+
+
+@torch.inference_mode()
+def passkey_accuracy(model, tokenizer, length: int, samples: int, seed: int = 1234) -> float:
+    hits = 0
+    for i in range(samples):
+        sample = passkey_sample(tokenizer, length, seed=seed + i)  # random depth from the seed
+        out = model.generate(
+            sample.input_ids, max_new_tokens=sample.answer_ids.shape[1], do_sample=False, pad_token_id=0
+        )
+        hits += int(torch.equal(out[0, length:], sample.answer_ids[0]))
+    return hits / samples
+
+
+@torch.inference_mode()
+def eval_loss(model, tokenizer, corpus: Path, length: int, windows: int = 4) -> float:
+    text = "".join(json.loads(line)["text"] for line in (corpus / "eval.jsonl").read_text().splitlines())
+    ids = torch.tensor(tokenizer(text[:400_000]).input_ids)
+    losses = []
+    for w in range(windows):
+        chunk = ids[w * length : (w + 1) * length + 1][None]
+        losses.append(model(chunk[:, :-1], labels=chunk[:, :-1]).loss.item())
+    return sum(losses) / len(losses)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
+    parser.add_argument("--tokenizer", type=Path, default=Path("hf_budgetdraft/demo/tokenizer"))
+    parser.add_argument("--out", type=Path, default=Path("runs/target"))
+    parser.add_argument("--steps", type=int, default=12000)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--max-position", type=int, default=20480)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    checkpoint = args.out / "checkpoint"
+    if args.resume and (checkpoint / "state.pt").exists():
+        model = Glm4MoeForCausalLM.from_pretrained(checkpoint, use_safetensors=True)
+        state = torch.load(checkpoint / "state.pt", weights_only=False)
+    else:
+        model, state = Glm4MoeForCausalLM(target_config(tokenizer, args.max_position)), None
+    model.train()
+    print(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    sampler = Sampler(tokenizer, args.corpus, args.max_position, args.seed)
+    step = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        sampler.rng.setstate(state["sampler_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed at step {step}", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    started, tokens_seen = time.time(), 0
+    while step < args.steps:
+        length, batch = length_at(step)
+        rows = [sampler.sample(length) for _ in range(batch)]
+        ids = torch.tensor([r[0] for r in rows])
+        positions = torch.tensor([r[1] for r in rows])
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(
+                input_ids=ids[:, :-1],
+                position_ids=positions[:, :-1],
+                attention_mask=torch.ones_like(ids[:, :-1]),
+            ).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += ids[:, :-1].numel()
+        record = {"step": step, "loss": round(loss.item(), 4), "length": length, "lr": lr_at(step - 1, args)}
+        if step % 20 == 0:
+            record["tokens_per_second"] = round(tokens_seen / (time.time() - started))
+            print(json.dumps(record), flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            record["eval_loss_1024"] = round(eval_loss(model, tokenizer, args.corpus, 1024), 4)
+            for eval_length in (512, 2048, 8192):
+                record[f"passkey_{eval_length}"] = passkey_accuracy(model, tokenizer, eval_length, samples=5)
+            model.train()
+            print(json.dumps(record), flush=True)
+        with open(args.out / "log.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+        if step % args.save_every == 0 or step == args.steps:
+            tmp = args.out / "checkpoint.tmp"
+            model.save_pretrained(tmp, safe_serialization=True)
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "sampler_rng": sampler.rng.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+                tmp / "state.pt",
+            )
+            if checkpoint.exists():
+                for f in checkpoint.iterdir():
+                    f.unlink()
+                checkpoint.rmdir()
+            tmp.rename(checkpoint)
+
+
+if __name__ == "__main__":
+    main()
