@@ -1,0 +1,103 @@
+"""Windowed-MTP: the built-in MTP draft head reads only an attention sink + a recent window of its cache.
+
+Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts with `MtpModel` on an `MtpCache`,
+whose depth-k layer runs k+1 tokens ahead of the main model. `WindowedMtpCache` keeps those offsets on
+`SinkWindowLayer`s, so the draft's attention cost and memory stop growing with context; the target still verifies
+every token with full attention (lossless by construction). A window covering the whole context reproduces native
+MTP exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+from transformers.modeling_layers import MtpModel
+
+from ..cache.sink_window import SinkWindowCache
+
+
+class WindowedMtpCache(SinkWindowCache):
+    """`MtpCache` semantics (depth-k queries and keys sit k+1 positions ahead) on sink + window ring layers."""
+
+    def get_query_offset(self, layer_idx: int = 0):
+        return super().get_query_offset(layer_idx) + layer_idx + 1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
+        return kv_length, kv_offset + layer_idx + 1
+
+
+def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -> WindowedMtpCache:
+    """The windowed cache for `main_model`'s MTP layers, from `generate()`'s `cache_config`."""
+    options = dict(cache_config or {})
+    unknown = sorted(set(options) - {"num_sink_tokens", "window_length", "slack"})
+    if unknown:
+        raise ValueError(
+            f"cache_config keys {unknown} are not options of windowed MTP; accepted: num_sink_tokens, window_length, slack"
+        )
+    num_mtp_layers = main_model.config.get_text_config().num_mtp_layers
+    # multi-depth MTP rolls its cache back by `num_mtp_layers` tokens when a chain is rejected
+    options.setdefault("slack", max(32, num_mtp_layers + 1))
+    return WindowedMtpCache(config=main_model.config.get_mtp_config(), **options)
+
+
+def expose_mtp_layers(model: PreTrainedModel) -> PreTrainedModel:
+    """Let `MtpModel.from_pretrained(model)` find MTP weights stored right after `model`'s own layers.
+
+    transformers finds MTP weights through the class's `_keys_to_ignore_on_load_unexpected` patterns, which name the
+    released checkpoints' layer numbers (e.g. 46 and 92 for GLM-4.5); a model of another depth needs its own.
+    """
+    config = model.config.get_text_config()
+    first, count = config.num_hidden_layers, getattr(config, "num_mtp_layers", None) or 0
+    patterns = set(model._keys_to_ignore_on_load_unexpected or ())
+    patterns |= {rf"model\.layers\.{first + i}\..*" for i in range(count)}
+    model._keys_to_ignore_on_load_unexpected = patterns  # instance attribute: the class stays untouched
+    return model
+
+
+_EXTRAS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "post_norm": "shared_head.norm"}
+
+
+def save_pretrained_with_mtp(model: PreTrainedModel, mtp_model: MtpModel, path: str | Path) -> None:
+    """Save `model` with its MTP layers in the checkpoint layout `generate(use_mtp=True)` loads.
+
+    transformers loads MTP weights only from `config.name_or_path` (there is no random-init path), so a freshly
+    trained (or random, for tests) MTP head must be written into the checkpoint: MTP layer i is stored as decoder
+    layer `num_hidden_layers + i` (written through a deeper copy of the model, so transformers' own reverse weight
+    conversions apply, e.g. for fused experts) plus its `enorm`/`hnorm`/`eh_proj`/`shared_head.norm`.
+    The round trip is verified.
+    """
+    path = Path(path)
+    config = model.config.get_text_config()
+    depth = config.num_hidden_layers
+    carrier_config = copy.deepcopy(model.config)
+    carrier_config.get_text_config().num_hidden_layers = depth + mtp_model.num_mtp_layers
+    carrier = type(model)(carrier_config)
+    carrier.load_state_dict(model.state_dict(), strict=False)
+    for i, layer in enumerate(mtp_model.layers):
+        carrier.get_decoder().layers[depth + i].load_state_dict(layer.mtp_block.state_dict())
+    carrier.save_pretrained(path, safe_serialization=True)
+    model.config.save_pretrained(path)  # the real depth
+
+    weights_file = path / "model.safetensors"
+    if not weights_file.exists():
+        raise ValueError(
+            f"expected one unsharded {weights_file}; save smaller models or extend this to shards"
+        )
+    state = load_file(weights_file)
+    for i, layer in enumerate(mtp_model.layers):
+        for name, module in layer.named_children():
+            if name in _EXTRAS:
+                for param_name, tensor in module.state_dict().items():
+                    state[f"model.layers.{depth + i}.{_EXTRAS[name]}.{param_name}"] = tensor.detach().clone()
+    save_file(state, weights_file, metadata={"format": "pt"})
+
+    main = expose_mtp_layers(type(model).from_pretrained(path))
+    reloaded = MtpModel.from_pretrained(main).state_dict()
+    for key, tensor in mtp_model.state_dict().items():
+        if key in reloaded and not torch.equal(reloaded[key], tensor):
+            raise ValueError(f"MTP weight {key} did not survive the save/load round trip")

@@ -1,0 +1,152 @@
+"""Windowed-MTP: transformers' built-in MTP head drafting on a sink + window ring; output stays the target's."""
+
+import functools
+
+import pytest
+import torch
+from tiny_models import random_prompt
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_layers import MtpModel
+
+from hf_budgetdraft import cache_nbytes, record_speculation
+from hf_budgetdraft.generation.mtp import WindowedMtpCache, expose_mtp_layers, save_pretrained_with_mtp
+
+MTP_FAMILIES = {
+    "glm4_moe": dict(first_k_dense_replace=2, head_dim=16, num_key_value_heads=2),
+    "deepseek_v3": dict(
+        first_k_dense_replace=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        n_group=1,
+        topk_group=1,
+    ),
+}
+WINDOW = {"num_sink_tokens": 4, "window_length": 32}
+
+
+@functools.cache
+def _saved_mtp_model(family: str, num_mtp_layers: int, tmp_root: str) -> str:
+    """A tiny random target with random MTP layers, saved where `generate(use_mtp=True)` can load them."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_mtp_layers=num_mtp_layers,
+        initializer_range=0.2,
+        max_position_embeddings=16384,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **MTP_FAMILIES[family],
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    path = f"{tmp_root}/{family}-{num_mtp_layers}"
+    save_pretrained_with_mtp(model, MtpModel(model, num_mtp_layers), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("mtp"))
+
+
+def load(family, tmp_root, num_mtp_layers=1):
+    path = _saved_mtp_model(family, num_mtp_layers, tmp_root)
+    return expose_mtp_layers(AutoModelForCausalLM.from_pretrained(path)).eval()
+
+
+def generate(model, ids, **kwargs):
+    with record_speculation() as stats:
+        out = model.generate(ids, do_sample=False, max_new_tokens=32, **kwargs)
+    return out, stats
+
+
+@pytest.mark.parametrize("num_mtp_layers", [1, 2])
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_windowed_mtp_is_lossless(family, num_mtp_layers, tmp_root):
+    model = load(family, tmp_root, num_mtp_layers)
+    ids = random_prompt(400)  # >10x the window
+    expected = model.generate(ids, do_sample=False, max_new_tokens=32)
+    out, stats = generate(model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=WINDOW)
+    assert torch.equal(out, expected)
+    assert stats.rounds > 0 and max(stats.proposed_per_round) == num_mtp_layers
+
+
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_window_covering_everything_reproduces_native_mtp(family, tmp_root):
+    model = load(family, tmp_root)
+    ids = random_prompt(300, seed=4)
+    native, native_stats = generate(model, ids, use_mtp=True)
+    windowed, windowed_stats = generate(
+        model,
+        ids,
+        use_mtp=True,
+        cache_implementation="sink_window",
+        cache_config={"num_sink_tokens": 4, "window_length": 8192},
+    )
+    assert torch.equal(native, windowed)
+    assert windowed_stats.accepted_per_round == native_stats.accepted_per_round
+    assert windowed_stats.proposed_per_round == native_stats.proposed_per_round
+
+
+def test_mtp_cache_memory_is_independent_of_context(tmp_root):
+    model = load("glm4_moe", tmp_root)
+    sizes = []
+    for context in (2048, 8192):
+        cache = WindowedMtpCache(config=model.config.get_mtp_config(), num_sink_tokens=4, window_length=64)
+        mtp = MtpModel.from_pretrained(model)
+        ids = random_prompt(context)
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+        with torch.no_grad():
+            mtp(
+                input_ids=ids[:, 1:],
+                last_hidden_states=hidden[:, :-1],
+                attention_mask=None,
+                position_ids=torch.arange(context - 1)[None],
+                mtp_cache=cache,
+            )
+        sizes.append(cache_nbytes(cache))
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_bad_mtp_input(tmp_root):
+    model = load("glm4_moe", tmp_root)
+    ids = random_prompt(64)
+    with pytest.raises(ValueError, match="window_length must be in"):
+        model.generate(
+            ids,
+            max_new_tokens=4,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config={"window_length": 0},
+        )
+    with pytest.raises(ValueError, match="a budgeted MTP cache is not implemented"):
+        model.generate(ids, max_new_tokens=4, use_mtp=True, cache_implementation="budgeted")
+    with pytest.raises(ValueError, match=r"cache_config keys \['budget'\]"):
+        model.generate(
+            ids,
+            max_new_tokens=4,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config={"budget": 8},
+        )
+    plain = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2
+        )
+    )
+    with pytest.raises(ValueError, match="needs a model with MTP layers"):
+        plain.generate(ids, max_new_tokens=4, use_mtp=True, cache_implementation="sink_window")
