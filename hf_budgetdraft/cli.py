@@ -1,5 +1,6 @@
 """`hf-budgetdraft` command line. Sub-commands: `generate` (speculative generation with a sparse draft cache,
-checked token-for-token against the target's own greedy output)."""
+checked token-for-token against the target's own greedy output); `train` (BudgetDraft training of a drafter
+against a frozen target, see `hf_budgetdraft.trainer`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from . import record_speculation
 from .cache.base import MAX_CACHE_TOKENS
 from .random_models import random_pair
+from .trainer.config import BudgetDraftConfig
 
 
 @dataclass
@@ -133,7 +135,178 @@ def generate_command(args: GenerateArguments) -> int:
     return 0 if diff == 0 else 1
 
 
-COMMANDS = {"generate": (GenerateArguments, generate_command)}
+@dataclass
+class TrainScriptArguments:
+    """What `hf-budgetdraft train` loads; the method and the optimisation are `BudgetDraftConfig`'s flags."""
+
+    drafter: str | None = field(
+        default=None,
+        metadata={"help": "The drafter to train: a local HF folder or hub name (loaded in fp32)."},
+    )
+    data_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Local .txt/.md files (one document each), .json/.jsonl, or folders holding them."},
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A `datasets` name instead of --data_files (needs network), e.g. emozilla/pg19."},
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "Configuration of --dataset_name."}
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split of --dataset_name."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "Tokenizer folder/name (defaults to the teacher's)."}
+    )
+    pack_across_documents: bool = field(
+        default=True,
+        metadata={"help": "Concatenate documents before cutting rows (False: one document per row)."},
+    )
+    max_train_rows: int | None = field(default=None, metadata={"help": "Use at most this many packed rows."})
+    precompute_teacher: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the teacher once over the data with datasets.map and cache its targets on disk."
+        },
+    )
+    teacher_top_k: int = field(
+        default=0,
+        metadata={"help": "With --precompute_teacher: also store top-k log-probs (needed by --loss soft)."},
+    )
+    teacher_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where precomputed targets are cached (default: OUTPUT_DIR/teacher_targets)."},
+    )
+    random_models: bool = field(
+        default=False,
+        metadata={
+            "help": "Smoke run: a small random Llama pair and random token rows (checks the machinery only)."
+        },
+    )
+    num_random_rows: int = field(default=64, metadata={"help": "--random_models: rows of random tokens."})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)."})
+
+    def __post_init__(self):
+        sources = sum(x is not None for x in (self.data_files, self.dataset_name)) + self.random_models
+        if sources != 1:
+            raise ValueError("pass exactly one data source: --data_files, --dataset_name or --random_models")
+        if not self.random_models and self.drafter is None:
+            raise ValueError(
+                "pass --drafter (the model to train) and --teacher_model_name_or_path (the target)"
+            )
+        if self.teacher_top_k < 0:
+            raise ValueError(f"--teacher_top_k must be >= 0, got {self.teacher_top_k}")
+
+
+def _train_data(script: TrainScriptArguments, config, target, tokenizer):
+    import datasets
+
+    from .trainer import load_text_dataset, pack_dataset
+
+    if script.random_models:
+        generator = torch.Generator().manual_seed(config.seed)
+        rows = torch.randint(
+            0, target.config.vocab_size, (script.num_random_rows, config.sequence_length), generator=generator
+        )
+        return datasets.Dataset.from_dict({"input_ids": rows.tolist()})
+    documents = load_text_dataset(
+        data_files=script.data_files,
+        dataset_name=script.dataset_name,
+        dataset_config_name=script.dataset_config_name,
+        split=script.dataset_split,
+        text_column=script.text_column,
+    )
+    return pack_dataset(
+        documents,
+        tokenizer,
+        config.sequence_length,
+        text_column=script.text_column,
+        across_documents=script.pack_across_documents,
+    )
+
+
+def _optional_tokenizer(path: str):
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def train_command(script: TrainScriptArguments, config) -> int:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from .trainer import BudgetDraftTrainer, precompute_teacher_targets
+
+    if script.threads:
+        torch.set_num_threads(script.threads)
+    if script.random_models:
+        target, drafter = random_pair(config.seed, config.sequence_length + 1)
+        tokenizer = teacher_tokenizer = None
+    else:
+        if config.teacher_model_name_or_path is None:
+            raise ValueError(
+                "pass --teacher_model_name_or_path (the frozen target whose tokens the drafter learns)"
+            )
+        target = AutoModelForCausalLM.from_pretrained(
+            config.teacher_model_name_or_path, dtype=config.teacher_dtype
+        )
+        drafter = AutoModelForCausalLM.from_pretrained(script.drafter, dtype=torch.float32)
+        teacher_tokenizer = AutoTokenizer.from_pretrained(
+            script.tokenizer or config.teacher_model_name_or_path
+        )
+        tokenizer = _optional_tokenizer(script.drafter) or teacher_tokenizer
+    dataset = _train_data(script, config, target, teacher_tokenizer)
+    if script.max_train_rows is not None:
+        dataset = dataset.select(range(min(script.max_train_rows, len(dataset))))
+    print(f"{len(dataset)} training rows of {config.prefix_length} + {config.continuation_length} tokens")
+    if script.precompute_teacher:
+        target.to(config.device)
+        dataset = precompute_teacher_targets(
+            dataset,
+            target,
+            config.prefix_length,
+            config.continuation_length,
+            top_k=script.teacher_top_k,
+            temperature=config.temperature,
+            cache_dir=script.teacher_cache_dir or f"{config.output_dir}/teacher_targets",
+        )
+    trainer = BudgetDraftTrainer(
+        model=drafter,
+        teacher=target,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        teacher_processing_class=teacher_tokenizer,
+    )
+    resume = config.resume_from_checkpoint
+    if resume in ("last", "latest"):
+        resume = get_last_checkpoint(config.output_dir)
+    trainer.train(resume_from_checkpoint=resume)
+    paths = trainer.save_drafter()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    if logged:
+        first, last = logged[0], logged[-1]
+        print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})")
+        for key in sorted(k for k in last if k.startswith("agreement/")):
+            start = f"{first[key]:.3f}" if key in first else "n/a"
+            print(f"  {key}: {start} -> {last[key]:.3f}")
+    print(
+        f"drafter saved to {paths['model']} (AutoModelForCausalLM)"
+        + (f", LoRA adapter to {paths['adapter']}" if "adapter" in paths else "")
+    )
+    budget = config.budgets[0]
+    print(
+        f"use it: target.generate(ids, assistant_model=drafter, cache_implementation={config.cache_kind!r}, "
+        f"cache_config={config.cache_config(budget)})"
+    )
+    return 0
+
+
+COMMANDS = {
+    "generate": (GenerateArguments, generate_command),
+    "train": ((TrainScriptArguments, BudgetDraftConfig), train_command),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,13 +316,13 @@ def main(argv: list[str] | None = None) -> int:
             f"usage: hf-budgetdraft {{{','.join(COMMANDS)}}} [--help] [options]\n\n{__doc__}", file=sys.stderr
         )
         return 2
-    arguments_class, run = COMMANDS[argv[0]]
-    parser = HfArgumentParser(arguments_class, prog=f"hf-budgetdraft {argv[0]}")
+    arguments_classes, run = COMMANDS[argv[0]]
+    parser = HfArgumentParser(arguments_classes, prog=f"hf-budgetdraft {argv[0]}")
     try:
-        (args,) = parser.parse_args_into_dataclasses(args=argv[1:])
+        args = parser.parse_args_into_dataclasses(args=argv[1:])
     except ValueError as error:
         parser.error(str(error))
-    return run(args)
+    return run(*args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""Text -> packed rows -> teacher targets computed once (datasets.map) and reloaded from the cache."""
+
+import json
+
+import datasets
+import pytest
+import torch
+from tiny_models import model_pair
+from trainer_helpers import (
+    EOS,
+    char_tokenizer,
+    one_thread,  # noqa: F401 (autouse fixture)
+    write_corpus,
+)
+
+from hf_budgetdraft.trainer import load_text_dataset, pack_dataset, precompute_teacher_targets
+
+
+def test_load_and_pack_local_text(tmp_path):
+    write_corpus(tmp_path, num_documents=3, length=300)
+    (tmp_path / "notes.jsonl").write_text(json.dumps({"text": "j" * 50, "id": 1}) + "\n", encoding="utf-8")
+    documents = load_text_dataset(data_files=[str(tmp_path)])
+    texts = sorted(documents["text"], key=len)
+    assert len(texts) == 4 and texts[0] == "j" * 50 and len(texts[-1]) == 300  # whole files, folders recursed
+    tokenizer = char_tokenizer()
+    rows = pack_dataset(documents, tokenizer, sequence_length=100)
+    stream = [
+        t for text in documents["text"] for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    ]
+    assert rows["input_ids"] == [stream[i : i + 100] for i in range(0, len(stream) - 99, 100)]
+    per_document = pack_dataset(documents, tokenizer, sequence_length=100, across_documents=False)
+    assert (
+        len(per_document) == 3 * 3
+    )  # 301 tokens per 300-char file -> 3 rows each; the 51-token one is dropped
+    assert all(EOS not in tokenizer.decode(row[:-1]) for row in per_document["input_ids"])
+
+
+def test_data_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_text_dataset(data_files=[str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="no .txt"):
+        load_text_dataset(data_files=[str(tmp_path)])
+    with pytest.raises(ValueError, match="exactly one of"):
+        load_text_dataset()
+    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x"}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="pass --text_column"):
+        load_text_dataset(data_files=[str(tmp_path / "a.jsonl")])
+    short = datasets.Dataset.from_dict({"text": ["tiny"]})
+    with pytest.raises(ValueError, match="Add text or lower the lengths"):
+        pack_dataset(short, char_tokenizer(), sequence_length=100)
+
+
+def test_teacher_targets_are_computed_once_and_cached(tmp_path):
+    target, _ = model_pair("llama", "sdpa", draft_layers=1)
+    generator = torch.Generator().manual_seed(0)
+    rows = datasets.Dataset.from_dict(
+        {"input_ids": torch.randint(0, 128, (3, 40), generator=generator).tolist()}
+    )
+    with torch.no_grad():
+        logits = target(torch.tensor(rows["input_ids"])).logits[:, 32:38]  # positions P .. P + C - 1
+    calls = []
+    target.register_forward_hook(lambda *_: calls.append(1))
+    labelled = precompute_teacher_targets(rows, target, 32, 6, top_k=4, batch_size=2, cache_dir=str(tmp_path))
+    assert len(calls) == 2  # 3 rows in batches of 2
+    assert labelled["teacher_labels"] == logits.argmax(-1).tolist()
+    top = logits.log_softmax(-1).topk(4, dim=-1)
+    assert labelled["teacher_topk_ids"] == top.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor(labelled["teacher_topk_logprobs"]), top.values, rtol=1e-5, atol=1e-5
+    )
+
+    again = precompute_teacher_targets(rows, target, 32, 6, top_k=4, batch_size=2, cache_dir=str(tmp_path))
+    assert len(calls) == 2, "the second call must load the cached targets, not run the teacher"
+    assert again["teacher_labels"] == labelled["teacher_labels"]
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1.5)  # new teacher weights: the cache must not be reused
+    precompute_teacher_targets(rows, target, 32, 6, top_k=4, batch_size=2, cache_dir=str(tmp_path))
+    assert len(calls) == 4
