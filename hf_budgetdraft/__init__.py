@@ -1,8 +1,9 @@
 """hf-budgetdraft: long-context speculative decoding whose draft reads a sparse KV cache.
 
 `import hf_budgetdraft` registers `cache_implementation="sink_window"` and `"budgeted"` with transformers'
-`generate()`. With `assistant_model=`, they name the draft's cache; the target keeps its full cache, so the
-output is exactly the target's.
+`generate()`. With `assistant_model=`, they name the draft's cache; the target keeps its full cache (a
+`GrowableCache`), so the output is exactly the target's. It also registers `attn_implementation="budgetdraft_sdpa"`,
+SDPA without the KV copies that make verifying several tokens at long context slow on CPU.
 """
 
 from . import integration
@@ -10,6 +11,7 @@ from .attention.query_capture import query_capture
 from .cache import (
     BudgetedCache,
     ChunkPolicy,
+    GrowableCache,
     KeepPolicy,
     SinkWindowCache,
     SnapKVPolicy,
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetedCache",
     "ChunkPolicy",
+    "GrowableCache",
     "KeepPolicy",
     "SinkWindowCache",
     "SnapKVPolicy",

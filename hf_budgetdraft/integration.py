@@ -4,10 +4,14 @@
 `"budgeted"` valid and wraps two `GenerationMixin` steps:
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
-  through `SparseDraftCandidateGenerator` while the target keeps its full `DynamicCache` (lossless).
+  through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless).
   Inside `record_speculation()`, every candidate generator (stock ones too) is instrumented.
-- `_prepare_cache_for_generation`: without a draft, the target itself runs on the sparse cache
-  (StreamingLLM-style, **lossy**: output can differ from full-cache greedy decoding).
+- `_prepare_cache_for_generation`: with a draft, the target's full cache is a `GrowableCache` (appends in place,
+  exact O(1) rollback) when every layer is full attention, else transformers' default; without a draft, the
+  target itself runs on the sparse cache (StreamingLLM-style, **lossy**: output can differ from full-cache greedy
+  decoding).
+
+`install()` also registers `attn_implementation="budgetdraft_sdpa"` (and the query-capture attentions).
 
 Every other `generate()` call goes to transformers untouched.
 """
@@ -20,9 +24,11 @@ from transformers import PreTrainedConfig
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin, GenerationMode
 
+from .attention.fast_sdpa import register as register_fast_sdpa
 from .attention.query_capture import CAPTURE_PREFIX
 from .attention.query_capture import register as register_query_capture
-from .cache import BudgetedCache, SinkWindowCache, SparseDraftCache
+from .cache import BudgetedCache, GrowableCache, SinkWindowCache, SparseDraftCache, is_full_attention_only
+from .cache.base import MAX_CACHE_TOKENS
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.stats import active_recorder, instrument
 
@@ -121,8 +127,16 @@ def _prepare_cache_for_generation(
     self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
 ):
     name = generation_config.cache_implementation
+    speculating = (
+        name in SPARSE_CACHE_IMPLEMENTATIONS and generation_mode == GenerationMode.ASSISTED_GENERATION
+    )
+    if speculating and _can_use_growable(self, generation_config, model_kwargs):
+        # with a draft, the target keeps a full cache (only the draft's is sparse), sized for the whole call
+        # (prompt + max_new_tokens): appends in place, never grows unless the call overshoots
+        capacity = min(max(1, max_cache_length), MAX_CACHE_TOKENS)
+        model_kwargs["cache"] = GrowableCache(config=self.config, initial_capacity=capacity)
+        return
     if name not in SPARSE_CACHE_IMPLEMENTATIONS or generation_mode == GenerationMode.ASSISTED_GENERATION:
-        # with a draft, the target keeps transformers' own full cache; only the draft's is sparse
         return _originals["_prepare_cache_for_generation"](
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
@@ -148,11 +162,24 @@ def _prepare_cache_for_generation(
     model_kwargs["cache"] = cache
 
 
+def _can_use_growable(model, generation_config, model_kwargs) -> bool:
+    """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise."""
+    return (
+        model_kwargs.get("cache") is None
+        and not generation_config.use_mtp  # (Windowed-MTP keeps transformers' MTP cache handling)
+        and generation_config.use_cache is not False
+        and not model.config.is_encoder_decoder
+        and model._supports_default_dynamic_cache()
+        and is_full_attention_only(model.config)
+    )
+
+
 def install() -> None:
     """Register the sparse cache implementations with transformers' `generate()` (idempotent)."""
     if _originals:
         return
     register_query_capture()
+    register_fast_sdpa()
     missing = tuple(
         n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     )

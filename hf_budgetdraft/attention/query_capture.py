@@ -20,8 +20,11 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from .fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
+
 CAPTURE_PREFIX = "budgetdraft_capture_"
-_BASES = {"sdpa": sdpa_mask, "eager": eager_mask}
+_BASES = {"sdpa": sdpa_mask, "eager": eager_mask, "budgetdraft_sdpa": budgetdraft_sdpa_mask}
+_SDPA_FUNCTIONS = {"sdpa": sdpa_attention_forward, "budgetdraft_sdpa": budgetdraft_sdpa_attention_forward}
 
 
 class QueryReceiver(Protocol):
@@ -62,7 +65,7 @@ def _make_capturing(base: str) -> Callable:
             _request.set(None)
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             pending[0].receive_queries(query * scaling)  # (B, H_q, q_len, D)
-        function = sdpa_attention_forward if base == "sdpa" else _eager_for(module)
+        function = _SDPA_FUNCTIONS[base] if base in _SDPA_FUNCTIONS else _eager_for(module)
         return function(module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"{CAPTURE_PREFIX}{base}"
@@ -70,7 +73,7 @@ def _make_capturing(base: str) -> Callable:
 
 
 def register() -> None:
-    """Register `budgetdraft_capture_sdpa` and `budgetdraft_capture_eager` (idempotent)."""
+    """Register `budgetdraft_capture_{sdpa,eager,budgetdraft_sdpa}` (idempotent)."""
     for base, mask in _BASES.items():
         name = CAPTURE_PREFIX + base
         if name not in AttentionInterface._global_mapping:
@@ -94,7 +97,7 @@ def query_capture(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         return
     if original not in _BASES:
         raise ValueError(
-            f"query capture wraps attn_implementation 'sdpa' or 'eager', got {original!r}; load the drafter with "
+            f"query capture wraps attn_implementation {sorted(_BASES)}, got {original!r}; load the drafter with "
             "attn_implementation='sdpa' to use a query-scored policy (snapkv, chunk with query_proxy='last_query')"
         )
     model.set_attn_implementation(CAPTURE_PREFIX + original)

@@ -1,7 +1,8 @@
-"""Sparse draft KV caches: the draft reads these, the target keeps its full cache."""
+"""Sparse draft KV caches (the draft reads these) and `GrowableCache`, the full cache the target keeps."""
 
 from .base import SparseDraftCache, SparseDraftLayer, cache_nbytes
 from .budgeted import BudgetedCache, BudgetedLayer
+from .growable import GrowableCache, GrowableLayer, is_full_attention_only
 from .policies import POLICIES, ChunkPolicy, KeepPolicy, SnapKVPolicy, StreamingPolicy, get_policy
 from .sink_window import SinkWindowCache, SinkWindowLayer
 
@@ -10,6 +11,8 @@ __all__ = [
     "BudgetedCache",
     "BudgetedLayer",
     "ChunkPolicy",
+    "GrowableCache",
+    "GrowableLayer",
     "KeepPolicy",
     "SinkWindowCache",
     "SinkWindowLayer",
@@ -19,4 +22,5 @@ __all__ = [
     "StreamingPolicy",
     "cache_nbytes",
     "get_policy",
+    "is_full_attention_only",
 ]

@@ -196,10 +196,10 @@ class SparseDraftCache(Cache):
 
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes of keys/values stored by any transformers `Cache` (sparse draft layers count their buffers)."""
+    """Bytes of keys/values stored by any transformers `Cache` (preallocated layers count their buffers)."""
     total = 0
     for layer in cache.layers:
-        if isinstance(layer, SparseDraftLayer):
+        if hasattr(layer, "nbytes"):  # sparse draft and growable layers: their preallocated buffers
             total += layer.nbytes()
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             total += layer.keys.numel() * layer.keys.element_size() * 2

@@ -1,0 +1,308 @@
+"""`budgetdraft_sdpa`: SDPA attention that keeps verifying a few tokens over a long past cheap on CPU.
+
+Select it with `model.set_attn_implementation("budgetdraft_sdpa")` or `from_pretrained(...,
+attn_implementation="budgetdraft_sdpa")` (registered by `import hf_budgetdraft`). It computes what transformers'
+`sdpa` computes (same inputs, same `(attn_output, None)` output) without the two costs that make stock `sdpa`
+verification slow at long context on CPU (shared/MEASURED.md: 58% `aten::copy_` at 16K):
+
+- **GQA without repeating KV.** Stock `sdpa` repeats every KV head `num_key_value_groups` times whenever a mask is
+  passed and `q_len > 1` — a copy of the whole cache per layer and step. Here the query heads of one KV head are
+  folded into the query-length axis, `(B, H_q, q, D) -> (B, H_kv, G * q, D)`, or SDPA's `enable_gqa` is used.
+- **No `(q, kv)` mask for a plain causal block.** For `q` new tokens after a past of `P = kv - q` tokens (cache
+  layers return `[past, new]`), the mask function returns `None` instead of a materialised lower-right causal mask,
+  and the attention is split: the past (every new query sees all of it, no mask) and the new block (causal,
+  `q x q`), each with its log-sum-exp, merged exactly:
+  `out = out_new + sigmoid(lse_past - lse_new) * (out_past - out_new)`.
+
+Everything else goes to a reference path, never to an approximation: a real mask (left padding, sliding window,
+static cache, packed sequences) runs masked SDPA (with `enable_gqa` on CPU); dropout, `position_bias`,
+`output_attentions` and keyword arguments this function does not know run transformers' own `sdpa` on an
+equivalent materialised mask; logit softcapping and attention sinks (which stock `sdpa` rejects or ignores) run
+the model family's own `eager_attention_forward`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+NAME = "budgetdraft_sdpa"
+
+# Keyword arguments the modeling files pass that change nothing for SDPA (the mask already encodes them).
+_IGNORED_KWARGS = frozenset(
+    {
+        "sliding_window",  # encoded in the mask (budgetdraft_sdpa_mask never skips a local mask)
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "layer_idx",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "output_attentions",
+        "is_causal",
+        "position_embeddings",
+        "cache",
+        "past_key_values",
+    }
+)
+_EAGER_ONLY_KWARGS = ("softcap", "s_aux", "sinks")
+
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def budgetdraft_sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function of `budgetdraft_sdpa` (registered with `AttentionMaskInterface`).
+
+    Returns `None` exactly when the mask would be a plain lower-right causal block: causal mask function, no local
+    window, no padding, and the queries are the last `q_length` of the `kv_length` keys
+    (`q_offset + q_length == kv_offset + kv_length`, true for `DynamicCache`, `GrowableCache` and the sparse draft
+    caches). `budgetdraft_sdpa_attention_forward` reads `None` as that block. Otherwise it returns transformers'
+    own `sdpa_mask`, always materialised: a `(batch_size, 1, q_length, kv_length)` bool mask (`True` = attend),
+    so `None` never means the upper-left alignment stock `sdpa` uses for an empty static cache.
+
+    Args:
+        batch_size (`int`): batch size.
+        q_length (`int`): number of queries.
+        kv_length (`int`): number of keys the cache layer returns.
+        q_offset (`int` or `torch.Tensor`): position of the first query.
+        kv_offset (`int`): position of the first key.
+        mask_function (`Callable`): transformers' mask pattern (causal, sliding, chunked, ...).
+        attention_mask (`torch.Tensor`, *optional*): 2D padding mask `(batch_size, >= kv_offset + kv_length)`.
+        local_size (`int`, *optional*): sliding window / chunk size of a local-attention layer.
+        allow_is_causal_skip (`bool`): whether the caller allows returning `None` for a causal mask.
+    """
+    plain_causal = (
+        allow_is_causal_skip
+        and mask_function is causal_mask_function
+        and local_size is None
+        and isinstance(q_offset, int)
+        and isinstance(kv_offset, int)
+        and q_offset + q_length == kv_offset + kv_length
+        and (attention_mask is None or bool(attention_mask.all()))
+    )
+    if plain_causal:
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        **kwargs,
+    )
+
+
+def lower_right_causal_mask(q_length: int, kv_length: int, device: torch.device) -> torch.Tensor:
+    """The mask `budgetdraft_sdpa_mask`'s `None` stands for: `(1, 1, q_length, kv_length)` bool, query `i` sees key
+    `j` iff `j <= i + kv_length - q_length` (the queries are the last `q_length` keys)."""
+    q_pos = torch.arange(q_length, device=device)[:, None] + (kv_length - q_length)  # (q, 1)
+    kv_pos = torch.arange(kv_length, device=device)[None, :]  # (1, kv)
+    return (kv_pos <= q_pos)[None, None]  # (1, 1, q, kv)
+
+
+def _eager_for(module: torch.nn.Module) -> Callable:
+    family_eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if family_eager is None:
+        raise ValueError(
+            f"{type(module).__name__} asks for logit softcapping or attention sinks, which SDPA cannot compute, and "
+            f"its modeling file has no eager_attention_forward to fall back to; load the model with "
+            "attn_implementation='eager' instead of 'budgetdraft_sdpa'"
+        )
+    return family_eager
+
+
+def _as_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
+
+def _out_layout(attn_output: torch.Tensor) -> torch.Tensor:
+    # (B, H_q, q, D) -> (B, q, H_q, D), what every modeling file reshapes to (B, q, H_q * D)
+    return attn_output.transpose(1, 2).contiguous()
+
+
+def _grouped_no_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+    """Unmasked attention of `(B, H_q, q, D)` queries over `(B, H_kv, kv, D)` keys without repeating KV."""
+    batch, num_heads, q_length, _ = query.shape
+    groups = num_heads // key.shape[1]
+    grouped = query.reshape(batch, key.shape[1], groups * q_length, query.shape[-1])  # (B, H_kv, G*q, D)
+    out = F.scaled_dot_product_attention(grouped, key, value, scale=scaling)  # (B, H_kv, G*q, D_v)
+    return out.reshape(batch, num_heads, q_length, value.shape[-1])  # (B, H_q, q, D_v)
+
+
+def _split_past_and_block(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
+) -> torch.Tensor:
+    """Lower-right causal attention of `q` new queries over `[past, new]` keys, split and merged by log-sum-exp.
+
+    Shapes: query `(B, H_q, q, D)`, key/value `(B, H_kv, P + q, D)`; returns `(B, H_q, q, D)`.
+    """
+    batch, num_heads, q_length, head_dim = query.shape
+    num_kv_heads, past = key.shape[1], key.shape[2] - q_length
+    groups = num_heads // num_kv_heads
+    # past: every new query sees every past key -> no mask; query heads folded into rows, KV read once per KV head
+    grouped = query.reshape(batch, num_kv_heads, groups * q_length, head_dim)  # (B, H_kv, G*q, D)
+    out_past, lse_past = _flash_with_lse(
+        grouped, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scaling
+    )  # (B, H_kv, G*q, D), (B, H_kv, G*q)
+    out_past = out_past.reshape(batch, num_heads, q_length, head_dim)
+    lse_past = lse_past.reshape(batch, num_heads, q_length)
+    # new block: q x q, causal (upper-left == lower-right for a square block); GQA handled by the kernel
+    out_new, lse_new = _flash_with_lse(
+        query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scaling
+    )  # (B, H_q, q, D), (B, H_q, q)
+    # softmax over the union = convex combination weighted by each part's share of the total exp-mass
+    weight_past = torch.sigmoid(lse_past - lse_new).unsqueeze(-1)  # (B, H_q, q, 1)
+    merged = out_new.float() + weight_past * (out_past.float() - out_new.float())
+    return merged.to(query.dtype)
+
+
+def _can_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return (
+        _flash_with_lse is not None
+        and query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        and key.shape[-1] == value.shape[-1] == query.shape[-1]
+        and query.shape[0] == key.shape[0]
+        # the log-sum-exp output carries no gradient: training takes the public path
+        and not (
+            torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        )
+    )
+
+
+def budgetdraft_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered as `budgetdraft_sdpa` (same contract as transformers' `sdpa`).
+
+    Args:
+        module (`torch.nn.Module`): the attention module (read for `is_causal` and family-specific features).
+        query (`torch.Tensor`): `(B, H_q, q, D)`, RoPE applied.
+        key (`torch.Tensor`): `(B, H_kv, kv, D)` as returned by the cache layer (`H_q % H_kv == 0`).
+        value (`torch.Tensor`): `(B, H_kv, kv, D_v)`.
+        attention_mask (`torch.Tensor`, *optional*): `(B, 1, q, kv)` bool/float mask from
+            `budgetdraft_sdpa_mask`; `None` means a lower-right causal block (no padding).
+        dropout (`float`): attention dropout probability (non-zero only in training).
+        scaling (`float`, *optional*): softmax scale, `D ** -0.5` if `None`.
+        is_causal (`bool`, *optional*): overrides `module.is_causal`.
+
+    Returns:
+        `tuple[torch.Tensor, None]`: attention output `(B, q, H_q, D_v)` (contiguous) and no attention weights.
+    """
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_length, kv_length = query.shape[2], key.shape[2]
+    # Like stock sdpa, trust the mask for local windows (`budgetdraft_sdpa_mask` materialises every local mask).
+    # 1. features SDPA cannot compute: the family's own eager attention is the reference
+    eager_only = any(kwargs.get(name) is not None for name in _EAGER_ONLY_KWARGS) or isinstance(
+        getattr(module, "sinks", None), torch.Tensor
+    )
+    # 2. features stock sdpa handles and this fast path does not
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS)
+    needs_stock = (
+        dropout > 0 or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") or unknown
+    )
+    if eager_only or needs_stock:
+        if attention_mask is None and is_causal and q_length > 1 and (eager_only or q_length < kv_length):
+            # spell out what `None` means: eager has no causal flag, stock sdpa would align it upper-left
+            attention_mask = lower_right_causal_mask(q_length, kv_length, query.device)
+        if eager_only:
+            return _eager_for(module)(
+                module,
+                query,
+                key,
+                value,
+                _as_additive(attention_mask, query.dtype),
+                dropout=dropout,
+                scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                **kwargs,
+            )
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"budgetdraft_sdpa needs the query heads to be a multiple of the key/value heads, got "
+            f"{num_heads} query heads and {num_kv_heads} key/value heads; check the model config"
+        )
+    gqa = num_heads != num_kv_heads
+
+    # 3. a real mask (padding, sliding window, static cache, packing): masked SDPA, KV not repeated on CPU
+    if attention_mask is not None:
+        if (
+            query.device.type != "cpu"
+        ):  # masked GQA may leave the fused kernels elsewhere: keep stock behaviour
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+            )
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa
+        )
+        return _out_layout(out), None
+
+    # 4. no mask: non-causal, one query, prefill, or a block of new tokens after a past
+    if not is_causal or q_length == 1:
+        return _out_layout(_grouped_no_mask(query, key, value, scaling)), None
+    if q_length == kv_length:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return _out_layout(out), None
+    if q_length > kv_length:
+        raise ValueError(
+            f"budgetdraft_sdpa got {q_length} queries but only {kv_length} keys with a causal module and no mask; "
+            "the cache layer must return the new tokens' keys too (kv_length >= q_length)"
+        )
+    if _can_split(query, key, value):
+        return _out_layout(_split_past_and_block(query, key, value, scaling)), None
+    mask = lower_right_causal_mask(q_length, kv_length, query.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return _out_layout(out), None
+
+
+def register() -> None:
+    """Register `budgetdraft_sdpa` with transformers' attention and mask interfaces (idempotent)."""
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, budgetdraft_sdpa_attention_forward)
+    if NAME not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(NAME, budgetdraft_sdpa_mask)
