@@ -4,7 +4,8 @@
 `"budgeted"` valid and wraps two `GenerationMixin` steps:
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
-  through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless).
+  through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
+  `use_mtp=True` and `"sink_window"`, the model's own MTP head drafts on a `WindowedMtpCache` (Windowed-MTP).
   Inside `record_speculation()`, every candidate generator (stock ones too) is instrumented.
 - `_prepare_cache_for_generation`: with a draft, the target's full cache is a `GrowableCache` (appends in place,
   exact O(1) rollback) when every layer is full attention, else transformers' default; without a draft, the
@@ -30,6 +31,7 @@ from .attention.query_capture import register as register_query_capture
 from .cache import BudgetedCache, GrowableCache, SinkWindowCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .generation.candidate_generator import SparseDraftCandidateGenerator
+from .generation.mtp import expose_mtp_layers, windowed_mtp_cache
 from .generation.stats import active_recorder, instrument
 
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = {
@@ -57,11 +59,6 @@ def _check_assistant(
     target, assistant_model, generation_config, target_tokenizer, assistant_tokenizer
 ) -> None:
     name = generation_config.cache_implementation
-    if generation_config.use_mtp:
-        raise ValueError(
-            f"use_mtp=True with cache_implementation={name!r} (windowed MTP) is not supported by this version; "
-            "drop cache_implementation to run native MTP"
-        )
     if generation_config.prompt_lookup_num_tokens is not None or assistant_model is None:
         raise ValueError(
             f"cache_implementation={name!r} names the draft model's cache, but this call has no draft model "
@@ -82,6 +79,27 @@ def _check_assistant(
         )
 
 
+def _windowed_mtp_generator(
+    self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
+):
+    """transformers' MTP candidate generator with its draft cache swapped for a sink + window ring (Windowed-MTP)."""
+    if name != "sink_window":
+        raise ValueError(
+            f"use_mtp=True supports cache_implementation='sink_window' (Windowed-MTP), got {name!r}; a budgeted MTP "
+            "cache is not implemented"
+        )
+    if not getattr(self.config.get_text_config(), "num_mtp_layers", None):
+        raise ValueError(
+            f"use_mtp=True needs a model with MTP layers (config.num_mtp_layers), but {type(self).__name__} has none"
+        )
+    expose_mtp_layers(self)
+    generator = _originals["_get_candidate_generator"](
+        self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
+    )
+    generator.mtp_cache = windowed_mtp_cache(self, generation_config.cache_config)
+    return generator
+
+
 def _get_candidate_generator(
     self,
     generation_config,
@@ -94,7 +112,11 @@ def _get_candidate_generator(
     assistant_tokenizer=None,
 ):
     name = generation_config.cache_implementation
-    if name in SPARSE_CACHE_IMPLEMENTATIONS:
+    if name in SPARSE_CACHE_IMPLEMENTATIONS and generation_config.use_mtp:
+        generator = _windowed_mtp_generator(
+            self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
+        )
+    elif name in SPARSE_CACHE_IMPLEMENTATIONS:
         _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
         generator = SparseDraftCandidateGenerator(
             input_ids=input_ids,
