@@ -156,18 +156,19 @@ def check_row_lengths(dataset, prefix_length: int, continuation_length: int) -> 
     Map-style datasets are checked in full from the Arrow column lengths (no Python pass over the ids); other
     datasets are checked row by row by `BudgetDraftCollator`.
     """
+    import datasets
+
     needed = prefix_length + continuation_length
-    if not hasattr(dataset, "column_names") or "input_ids" not in (dataset.column_names or []):
-        if hasattr(dataset, "column_names") and dataset.column_names is not None:
-            raise ValueError(f"train_dataset needs an input_ids column, got columns {dataset.column_names}")
-        return
-    data = getattr(dataset, "data", None)
-    if data is None or getattr(dataset, "_indices", None) is not None:
-        lengths = [len(row) for row in dataset["input_ids"]]
-    else:
+    if not isinstance(dataset, datasets.Dataset):
+        return  # streaming / torch datasets: BudgetDraftCollator checks each row
+    if "input_ids" not in dataset.column_names:
+        raise ValueError(f"the dataset needs an input_ids column, got columns {dataset.column_names}")
+    if dataset._indices is None:  # the Arrow column as stored: lengths without a Python pass over the ids
         import pyarrow.compute as pc
 
-        lengths = pc.list_value_length(data.column("input_ids")).to_pylist()
+        lengths = pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+    else:  # a selection/shuffle of rows
+        lengths = [len(row) for row in dataset["input_ids"]]
     short = [i for i, n in enumerate(lengths) if n is None or n < needed]
     if short:
         raise ValueError(

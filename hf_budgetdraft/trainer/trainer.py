@@ -158,10 +158,11 @@ class BudgetDraftTrainer(Trainer):
             processing_class=processing_class,
             **kwargs,
         )
-        self.model_accepts_loss_kwargs = (
-            False  # compute_loss returns a mean; Trainer scales it for accumulation
-        )
-        self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
+        # compute_loss returns a token mean; Trainer then scales it for gradient accumulation
+        self.model_accepts_loss_kwargs = False
+        self.teacher = teacher.eval().requires_grad_(False)
+        if getattr(teacher, "hf_device_map", None) is None:  # a teacher dispatched with device_map stays put
+            self.teacher.to(self.args.device)
         self.view_spec = args.view_spec()
         self._budget_weights = torch.tensor(args.budget_weights, dtype=torch.float64)
         self._draw = (-1, 0)  # (global step, draws at that step): seeds the budget draw
@@ -238,10 +239,8 @@ class BudgetDraftTrainer(Trainer):
             raise ValueError(
                 f"rows have {ids.shape[1]} tokens, fewer than prefix + continuation = {args.sequence_length}"
             )
-        prefix, continuation = (
-            ids[:, :prefix_length],
-            ids[:, prefix_length : args.sequence_length],
-        )  # (B, P), (B, C)
+        prefix = ids[:, :prefix_length]  # (B, P)
+        continuation = ids[:, prefix_length : args.sequence_length]  # (B, C)
         mode = "train" if model.training else "eval"
         labels, probs = self.teacher_targets(inputs)
 
