@@ -1,6 +1,7 @@
 """`hf-budgetdraft` command line. Sub-commands: `generate` (speculative generation with a sparse draft cache,
 checked token-for-token against the target's own greedy output); `train` (BudgetDraft training of a drafter
-against a frozen target, see `hf_budgetdraft.trainer`)."""
+against a frozen target, see `hf_budgetdraft.trainer`); `bench` (every decoding method on long-context tasks:
+greedy-diff losslessness, acceptance, speed-up, phase costs, memory; see `hf_budgetdraft.eval`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from . import record_speculation
 from .cache.base import MAX_CACHE_TOKENS
+from .eval.bench import BenchArguments, bench_command
 from .random_models import random_pair
 from .trainer.config import BudgetDraftConfig
 
@@ -306,6 +308,7 @@ def train_command(script: TrainScriptArguments, config) -> int:
 COMMANDS = {
     "generate": (GenerateArguments, generate_command),
     "train": ((TrainScriptArguments, BudgetDraftConfig), train_command),
+    "bench": (BenchArguments, bench_command),
 }
 
 

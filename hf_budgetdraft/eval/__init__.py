@@ -1,0 +1,68 @@
+"""Evaluation and benchmarks: does a sparse draft keep the output exact, how often is it accepted, how much
+faster is it, where does the time go, and how much memory does it save (`hf-budgetdraft bench`).
+
+- `tasks`: seeded prompts — long-document continuation, code completion, passkey at a depth, a needle just outside
+  a draft's window;
+- `runners`: one runner per method (AR, native assisted, sink_window, budgeted, prompt lookup, native / windowed
+  MTP), all timed and measured the same way;
+- `greedy_diff`: differing tokens vs the target's own greedy output and the noise envelope;
+- `metrics`: Wilson and bootstrap intervals, the least-squares cost model;
+- `report`: results.json / results.csv / report.md / PNG plots;
+- `bench`: the interleaved grid and the `bench` command.
+"""
+
+from .bench import BenchArguments, BenchModels, BenchResult, run_bench
+from .greedy_diff import TokenDiff, divergence_margin, noise_envelope, token_diff
+from .metrics import (
+    LineFit,
+    acceptance_intervals,
+    bootstrap_ci,
+    fit_line,
+    fit_round_time,
+    paired_speedup,
+    wilson_interval,
+)
+from .runners import MethodSpec, RunResult, run_method
+from .tasks import (
+    TASKS,
+    Document,
+    TaskSample,
+    build_sample,
+    code_completion_sample,
+    continuation_sample,
+    load_documents,
+    needle_outside_window_sample,
+    passkey_sample,
+    stdlib_documents,
+)
+
+__all__ = [
+    "TASKS",
+    "BenchArguments",
+    "BenchModels",
+    "BenchResult",
+    "Document",
+    "LineFit",
+    "MethodSpec",
+    "RunResult",
+    "TaskSample",
+    "TokenDiff",
+    "acceptance_intervals",
+    "bootstrap_ci",
+    "build_sample",
+    "code_completion_sample",
+    "continuation_sample",
+    "divergence_margin",
+    "fit_line",
+    "fit_round_time",
+    "load_documents",
+    "needle_outside_window_sample",
+    "noise_envelope",
+    "paired_speedup",
+    "passkey_sample",
+    "run_bench",
+    "run_method",
+    "stdlib_documents",
+    "token_diff",
+    "wilson_interval",
+]

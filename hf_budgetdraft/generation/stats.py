@@ -24,6 +24,9 @@ class SpeculationStats:
     accepted_per_round: list[int] = field(default_factory=list)
     draft_seconds_per_round: list[float] = field(default_factory=list)
     verify_seconds_per_round: list[float] = field(default_factory=list)
+    # the candidate generator of the most recent recorded call (only the latest is kept, so a long recording
+    # session does not hold every call's draft cache alive); read its cache with `draft_cache`
+    candidate_generator: object | None = field(default=None, repr=False, compare=False)
 
     def add_round(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self.proposed_per_round.append(proposed)
@@ -51,6 +54,19 @@ class SpeculationStats:
     @property
     def verify_seconds(self) -> float:
         return sum(self.verify_seconds_per_round)
+
+    @property
+    def draft_cache(self):
+        """The draft side's KV cache of the most recent recorded call, for memory accounting: the
+        `SparseDraftCache` of a sparse draft, the stock assistant's own cache (a full `DynamicCache`), or the MTP
+        head's cache (`MtpCache` / `WindowedMtpCache`); `None` for prompt lookup (no draft model) or no call."""
+        generator = self.candidate_generator
+        if generator is None:
+            return None
+        for attribute in ("draft_cache", "mtp_cache"):  # SparseDraftCandidateGenerator, MTPCandidateGenerator
+            if getattr(generator, attribute, None) is not None:
+                return getattr(generator, attribute)
+        return (getattr(generator, "assistant_kwargs", None) or {}).get("cache")
 
     def acceptance_per_position(self) -> list[tuple[int, int]]:
         """`(accepted, reached)` per draft position k: of the rounds whose draft reached position k (all
@@ -107,6 +123,7 @@ def instrument(generator, stats: SpeculationStats) -> None:
     Draft time = inside `get_candidates`; verify time = from its return to `update_candidate_strategy`, i.e. the
     target's forward plus the acceptance step.
     """
+    stats.candidate_generator = generator
     get_candidates, update_strategy = generator.get_candidates, generator.update_candidate_strategy
     round_state: dict = {}
 

@@ -1,0 +1,336 @@
+"""One runner per decoding method, all measured the same way.
+
+| method (`MethodSpec`)                     | what runs                                                                   |
+|-------------------------------------------|-----------------------------------------------------------------------------|
+| `ar`                                      | `target.generate(ids)`: plain autoregressive greedy, the reference           |
+| `assisted`, cache `full` ("native")       | stock transformers assisted generation, the drafter on its own full cache    |
+| `assisted`, cache `sink_window`           | the drafter reads sink + window (`cache_implementation="sink_window"`)       |
+| `assisted`, cache `budgeted` + policy     | the drafter reads a budgeted selection (`cache_implementation="budgeted"`)   |
+| `prompt_lookup`                           | transformers' prompt-lookup decoding (n-gram drafts from the prompt)         |
+| `mtp`, cache `full` / `sink_window`       | `generate(use_mtp=True)`: native MTP vs Windowed-MTP (arXiv 2607.21535)       |
+
+Every run is greedy with exactly `new_tokens` new tokens (`min_new_tokens = max_new_tokens`), returns the
+generated tokens, its wall time (and the time to the first emitted tokens, read off a streamer, so decode
+throughput can be separated from the prefill), the per-round draft/verify times of `record_speculation`, the
+draft-side and target-side KV-cache bytes (`cache_nbytes` of the draft cache held by the candidate generator and of
+`return_dict_in_generate`'s `past_key_values`), the process's peak RSS and, on CUDA, the peak allocated memory.
+
+`budget` means the number of prefix keys the draft reads: `budgeted` keeps `budget` selected tokens per KV head;
+`sink_window` keeps `num_sink_tokens + window_length = budget`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from ..cache.base import cache_nbytes
+from ..generation.stats import SpeculationStats, record_speculation
+
+METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
+DRAFT_CACHES = ("none", "full", "sink_window", "budgeted")
+DEFAULT_SLACK = 32  # the sparse caches' default rollback slack: a larger γ needs a larger slack
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What one run does (a column of the benchmark).
+
+    Attributes:
+        method (`str`): `ar` | `assisted` | `prompt_lookup` | `mtp`.
+        cache (`str`): the draft's cache: `none` (AR, prompt lookup) | `full` | `sink_window` | `budgeted`.
+        policy (`str`, *optional*): the budgeted cache's selection policy (`chunk`, `streaming`, `snapkv`).
+        budget (`int`, *optional*): prefix keys the draft reads (see the module docstring).
+        gamma (`int`): draft tokens per round (MTP: the number of MTP layers; AR: 0).
+        target (`str`): which target model runs (`"target"`, or `"mtp"` for the MTP model).
+        drafter (`str`, *optional*): which drafter (assisted only).
+    """
+
+    method: str
+    cache: str = "none"
+    policy: str | None = None
+    budget: int | None = None
+    gamma: int = 0
+    target: str = "target"
+    drafter: str | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.cache not in DRAFT_CACHES:
+            raise ValueError(f"cache must be one of {DRAFT_CACHES}, got {self.cache!r}")
+        if self.cache in ("sink_window", "budgeted") and not (self.budget and self.budget > 0):
+            raise ValueError(f"cache={self.cache!r} needs a budget > 0, got {self.budget}")
+        if self.cache == "budgeted" and not self.policy:
+            raise ValueError("cache='budgeted' needs a policy (chunk, streaming or snapkv)")
+
+    @property
+    def is_native(self) -> bool:
+        """Drafting on a full cache: the baseline a sparse draft cache is compared with."""
+        return self.method in ("assisted", "mtp") and self.cache == "full"
+
+    @property
+    def name(self) -> str:
+        """Short name of the method family: `ar`, `native`, `sink_window`, `budgeted/chunk`, `prompt_lookup`,
+        `mtp_native`, `mtp_windowed`."""
+        if self.method == "mtp":
+            return "mtp_native" if self.cache == "full" else "mtp_windowed"
+        if self.method == "assisted":
+            base = "native" if self.cache == "full" else self.cache
+            return f"{base}/{self.policy}" if self.policy else base
+        return self.method
+
+    @property
+    def label(self) -> str:
+        """Unique, human-readable run label, e.g. `sink_window B=96 γ=4`."""
+        parts = [self.name if self.target == "target" else f"{self.target}:{self.name}"]
+        if self.drafter and self.drafter != "drafter":
+            parts[0] += f"[{self.drafter}]"
+        if self.budget is not None:
+            parts.append(f"B={self.budget}")
+        if self.gamma:
+            parts.append(f"γ={self.gamma}")
+        return " ".join(parts)
+
+    def native_counterpart(self) -> MethodSpec | None:
+        """The full-cache run the same drafter and γ would do (`None` for AR, prompt lookup and native runs)."""
+        if self.method not in ("assisted", "mtp") or self.is_native:
+            return None
+        return MethodSpec(self.method, "full", None, None, self.gamma, self.target, self.drafter)
+
+
+@dataclass
+class RunResult:
+    """One timed generation. Shapes: `new_ids` `(new_tokens,)` on CPU."""
+
+    new_ids: torch.LongTensor
+    seconds: float
+    first_token_seconds: float
+    first_chunk_tokens: int
+    stats: SpeculationStats
+    draft_cache_bytes: int
+    target_cache_bytes: int
+    peak_rss_bytes: int | None
+    cuda_peak_bytes: int | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.new_ids) / self.seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Throughput after the first emitted chunk (excludes the prefill); `None` if nothing came after it."""
+        rest = len(self.new_ids) - self.first_chunk_tokens
+        duration = self.seconds - self.first_token_seconds
+        return rest / duration if rest > 0 and duration > 0 else None
+
+
+class _TimingStreamer(BaseStreamer):
+    """Records when each chunk of new tokens is emitted (generate() first puts the prompt, then new tokens)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.counts: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.counts.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set size so far (monotone over a run), `None` where `resource` is missing."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS: bytes, Linux: KiB
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def _timed_generate(model, input_ids: torch.LongTensor, new_tokens: int, **kwargs) -> RunResult:
+    device = input_ids.device
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    streamer = _TimingStreamer()
+    with record_speculation() as stats:
+        _synchronize(device)
+        start = time.perf_counter()
+        output = model.generate(
+            input_ids,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            return_dict_in_generate=True,
+            streamer=streamer,
+            **kwargs,
+        )
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+    new_ids = output.sequences[0, input_ids.shape[1] :].cpu()
+    first = (streamer.times[0] - start) if streamer.times else seconds
+    draft_cache = stats.draft_cache
+    result = RunResult(
+        new_ids=new_ids,
+        seconds=seconds,
+        first_token_seconds=first,
+        first_chunk_tokens=streamer.counts[0] if streamer.counts else len(new_ids),
+        stats=stats,
+        draft_cache_bytes=cache_nbytes(draft_cache) if draft_cache is not None else 0,
+        target_cache_bytes=cache_nbytes(output.past_key_values) if output.past_key_values is not None else 0,
+        peak_rss_bytes=peak_rss_bytes(),
+        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
+    )
+    stats.candidate_generator = None  # drop the draft cache now that it is measured
+    return result
+
+
+def _configure_drafter(drafter, gamma: int) -> None:
+    """A fixed draft length γ per round (no heuristic schedule, no early stop on low confidence)."""
+    config = drafter.generation_config
+    config.num_assistant_tokens = gamma
+    config.num_assistant_tokens_schedule = "constant"
+    config.assistant_confidence_threshold = 0.0
+
+
+def sparse_cache_config(
+    spec: MethodSpec, num_sink_tokens: int, budgeted_window_length: int, policy_kwargs: dict | None = None
+) -> dict:
+    """`cache_config` for a `sink_window` / `budgeted` spec (rollback slack >= γ)."""
+    config: dict = {}
+    if spec.cache == "sink_window":
+        if spec.budget <= num_sink_tokens:
+            raise ValueError(
+                f"budget={spec.budget} must exceed num_sink_tokens={num_sink_tokens} for sink_window "
+                "(window_length = budget - num_sink_tokens)"
+            )
+        config = {"num_sink_tokens": num_sink_tokens, "window_length": spec.budget - num_sink_tokens}
+    elif spec.cache == "budgeted":
+        config = {"budget": spec.budget, "policy": spec.policy, "window_length": budgeted_window_length}
+        if policy_kwargs:
+            config["policy_kwargs"] = dict(policy_kwargs)
+    else:
+        raise ValueError(f"spec {spec.label!r} has no sparse cache")
+    if spec.gamma > DEFAULT_SLACK:
+        config["slack"] = spec.gamma
+    return config
+
+
+def run_ar(target, input_ids: torch.LongTensor, new_tokens: int) -> RunResult:
+    """Plain greedy decoding: the reference every other method must reproduce token for token."""
+    return _timed_generate(target, input_ids, new_tokens)
+
+
+def run_assisted(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    new_tokens: int,
+    gamma: int,
+    cache_implementation: str | None = None,
+    cache_config: dict | None = None,
+) -> RunResult:
+    """Assisted generation: `cache_implementation=None` is stock transformers ("native", the drafter on its own
+    full cache); `"sink_window"` / `"budgeted"` give the drafter a sparse cache (the target keeps a full one)."""
+    _configure_drafter(drafter, gamma)
+    kwargs = {}
+    if cache_implementation is not None:
+        kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
+    return _timed_generate(target, input_ids, new_tokens, assistant_model=drafter, **kwargs)
+
+
+def run_prompt_lookup(
+    target, input_ids: torch.LongTensor, new_tokens: int, gamma: int, max_matching_ngram_size: int = 2
+) -> RunResult:
+    """transformers' prompt-lookup decoding: drafts of up to γ tokens copied after the last matching n-gram."""
+    return _timed_generate(
+        target,
+        input_ids,
+        new_tokens,
+        prompt_lookup_num_tokens=gamma,
+        max_matching_ngram_size=max_matching_ngram_size,
+    )
+
+
+def run_mtp(
+    model,
+    input_ids: torch.LongTensor,
+    new_tokens: int,
+    cache_implementation: str | None = None,
+    cache_config: dict | None = None,
+) -> RunResult:
+    """`generate(use_mtp=True)`: native MTP (the head attends over its whole cache) or, with
+    `cache_implementation="sink_window"`, Windowed-MTP."""
+    kwargs = {}
+    if cache_implementation is not None:
+        kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
+    return _timed_generate(model, input_ids, new_tokens, use_mtp=True, **kwargs)
+
+
+def run_method(
+    spec: MethodSpec,
+    targets: dict,
+    drafters: dict,
+    input_ids: torch.LongTensor,
+    new_tokens: int,
+    num_sink_tokens: int,
+    budgeted_window_length: int,
+    policy_kwargs: dict | None = None,
+) -> RunResult:
+    """Dispatch `spec` to its runner.
+
+    Args:
+        spec (`MethodSpec`): the run.
+        targets (`dict[str, PreTrainedModel]`): target models by name (`spec.target`).
+        drafters (`dict[str, PreTrainedModel]`): drafters by name (`spec.drafter`).
+        input_ids (`torch.LongTensor` of shape `(1, L)`): the prompt, on the models' device.
+        new_tokens (`int`): tokens to generate.
+        num_sink_tokens (`int`): sink of `sink_window` drafts (window = budget − sink).
+        budgeted_window_length (`int`): tokens a `budgeted` draft keeps after the prefill, besides the budget.
+        policy_kwargs (`dict`, *optional*): per policy name, its hyper-parameters.
+    """
+    if spec.target not in targets:
+        raise ValueError(f"spec {spec.label!r} needs target model {spec.target!r}; have {sorted(targets)}")
+    target = targets[spec.target]
+    sparse = spec.cache in ("sink_window", "budgeted")
+    cache_config = (
+        sparse_cache_config(
+            spec, num_sink_tokens, budgeted_window_length, (policy_kwargs or {}).get(spec.policy)
+        )
+        if sparse
+        else None
+    )
+    if spec.method == "ar":
+        return run_ar(target, input_ids, new_tokens)
+    if spec.method == "prompt_lookup":
+        return run_prompt_lookup(target, input_ids, new_tokens, spec.gamma)
+    if spec.method == "mtp":
+        return run_mtp(target, input_ids, new_tokens, spec.cache if sparse else None, cache_config)
+    if spec.drafter not in drafters:
+        raise ValueError(f"spec {spec.label!r} needs drafter {spec.drafter!r}; have {sorted(drafters)}")
+    return run_assisted(
+        target,
+        drafters[spec.drafter],
+        input_ids,
+        new_tokens,
+        spec.gamma,
+        spec.cache if sparse else None,
+        cache_config,
+    )

@@ -1,0 +1,293 @@
+"""`hf-budgetdraft bench --preset smoke` end to end: the outputs' schema, every greedy-diff cell 0, and two
+deliberate faults — one the output depends on (caught as a nonzero diff), one it must not (draft cache)."""
+
+import csv
+import json
+import re
+
+import pytest
+
+from hf_budgetdraft.cache.base import SparseDraftLayer
+from hf_budgetdraft.cli import main
+from hf_budgetdraft.eval import bench
+from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, _bundled_tokenizer, run_bench
+from hf_budgetdraft.eval.report import PLOTS, REQUIRED_FIELDS
+from hf_budgetdraft.eval.runners import MethodSpec
+from hf_budgetdraft.random_models import smoke_pair
+
+EXTRA_FIELDS = (
+    "target_cache_bytes",
+    "acceptance_rate",
+    "draft_seconds",
+    "verify_seconds",
+    "peak_rss_bytes",
+    "threads",
+    "first_diff_margin",
+)
+KEY = (
+    "target",
+    "drafter",
+    "task",
+    "sample",
+    "method",
+    "cache",
+    "policy",
+    "budget",
+    "context_length",
+    "gamma",
+    "repeat",
+)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-smoke")
+    code = main(["bench", "--preset", "smoke", "--output-dir", str(out), "--no_progress"])
+    return code, out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_writes_every_output(smoke):
+    code, out, results = smoke
+    assert code == 0
+    for name in ("results.json", "results.csv", "report.md", *PLOTS):
+        assert (out / name).stat().st_size > 1000, name
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    for heading in (
+        "## Losslessness",
+        "### Noise envelope",
+        "## Acceptance",
+        "## Speed",
+        "### Cost model",
+        "## Memory",
+    ):
+        assert heading in report
+    assert "cells identical (0 differing tokens)" in report and "DIFFER" not in report
+    assert all(f"]({name})" in report for name in PLOTS)
+
+
+def test_smoke_records_schema(smoke):
+    _, out, results = smoke
+    records = results["records"]
+    args = results["metadata"]["arguments"]
+    methods = results["metadata"]["methods"]
+    assert results["metadata"]["tasks"] == ["document", "code", "passkey", "needle_outside_window"]
+    cells = len(args["contexts"]) * len(results["metadata"]["tasks"]) * args["samples"]
+    assert len(records) == cells * args["repeats"] * len(methods)
+    assert len({tuple(r[k] for k in KEY) for r in records}) == len(records)  # one record per cell and repeat
+    for record in records:
+        missing = [f for f in REQUIRED_FIELDS + EXTRA_FIELDS if f not in record]
+        assert not missing, missing
+        assert record["new_tokens"] == args["new_tokens"] and record["threads"] == 1
+    names = {r["name"] for r in records}
+    assert {
+        "ar",
+        "native",
+        "sink_window",
+        "budgeted/chunk",
+        "budgeted/streaming",
+        "budgeted/snapkv",
+        "prompt_lookup",
+        "mtp_native",
+        "mtp_windowed",
+    } <= names
+    assert results["metadata"]["threads"] == 1
+    with open(out / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == len(records) and set(REQUIRED_FIELDS) <= set(rows[0])
+
+
+def test_every_greedy_diff_cell_is_zero(smoke):
+    _, _, results = smoke
+    assert all(r["diff_tokens"] == 0 and r["first_diff"] is None for r in results["records"])
+    assert all(row["diff_tokens"] == 0 and row["run_to_run"] == 0 for row in results["noise_envelope"])
+    kinds = {row["kind"] for row in results["noise_envelope"]}
+    assert {"native_vs_ar", "windowed_vs_native", "ar_run_to_run"} <= kinds
+
+
+def test_smoke_measurements_are_plausible(smoke):
+    """The statistics measure what they claim (each assertion fails on a plausible bug)."""
+    _, _, results = smoke
+    records, summary = results["records"], results["summary"]
+    pooled = {(r["label"], r["context_length"]): r for r in summary if r["task"] == "all"}
+    # the smoke drafter agrees with its target on a full cache, a sparse cache costs acceptance
+    native = pooled[("native γ=4", 512)]
+    sparse = pooled[("sink_window B=32 γ=4", 512)]
+    assert native["acceptance_rate"] > 0.6 > sparse["acceptance_rate"] > 0.05
+    assert native["acceptance_low"] > sparse["acceptance_high"]  # Wilson intervals separate them
+    # position 1 is reached by every round that proposed something (pooled over tasks, repeat 0)
+    drafted = sum(
+        sum(p > 0 for p in r["proposed_per_round"])
+        for r in records
+        if r["label"] == "native γ=4" and r["context_length"] == 512 and r["repeat"] == 0
+    )
+    assert native["acceptance_per_position"][0]["reached"] == drafted
+
+    # memory: the sparse draft caches stay bounded, the full-cache draft grows with the context
+    def draft_bytes(label, context):
+        return pooled[(label, context)]["draft_cache_bytes"]
+
+    for label in ("sink_window B=96 γ=4", "budgeted/chunk B=96 γ=4", "mtp:mtp_windowed B=96 γ=2"):
+        assert 0 < draft_bytes(label, 256) == draft_bytes(label, 512) < draft_bytes("native γ=4", 512)
+    assert draft_bytes("native γ=4", 512) > 1.8 * draft_bytes("native γ=4", 256)
+    assert pooled[("ar", 512)]["target_cache_bytes"] > pooled[("ar", 256)]["target_cache_bytes"]
+    assert pooled[("prompt_lookup γ=4", 256)]["draft_cache_bytes"] == 0
+    # AR against itself, the same pass: exactly 1
+    assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["method"] == "ar")
+    # speculative runs were instrumented: rounds, phase times within the wall time
+    for r in records:
+        if r["method"] != "ar":
+            assert r["rounds"] > 0 and 0 < r["draft_seconds"] + r["verify_seconds"] < r["seconds"]
+    # the cost model is fitted where γ varies, and refuses where it cannot (MTP drafts a fixed depth)
+    fits = {(f["label"], f["context_length"]): f for f in results["phase_fits"]}
+    fit = fits[("sink_window B=96", 512)]["fit"]
+    assert fit is not None and fit["draft"]["slope"] > 0 and fit["round"]["slope_se"] > 0
+    assert fits[("mtp:mtp_native", 512)]["fit"] is None
+
+
+def _reduced(tmp_path, **overrides):
+    options = dict(
+        preset="smoke",
+        output_dir=str(tmp_path),
+        tasks=["document", "code"],
+        contexts=[256],
+        methods=["sink_window", "budgeted"],
+        budgets=[96],
+        policies=["chunk"],
+        gammas=[4],
+        repeats=1,
+        warmup=False,
+        plots=False,
+        progress=False,
+    )
+    options.update(overrides)
+    return BenchArguments(**options)
+
+
+def accept_drafts_blindly(model):
+    """Test-only fault in the acceptance step: the verification forward's logits are rewritten so that each
+    drafted token is the target's argmax — the target "accepts" every draft it is shown, unverified."""
+    forward = model.forward
+
+    def faulty_forward(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        length, kept = ids.shape[1], output.logits.shape[1]
+        for j in range(kept - 1):  # logits row j predicts input token (length - kept + j + 1)
+            drafted = ids[0, length - kept + j + 1]
+            output.logits[0, j, drafted] = output.logits[0, j].max() + 10.0
+        return output
+
+    model.forward = faulty_forward
+    return model
+
+
+def test_injected_acceptance_fault_is_caught(tmp_path, monkeypatch, capsys):
+    target, drafter = smoke_pair(max_position_embeddings=1024)
+    models = BenchModels(
+        _bundled_tokenizer(), {"target": accept_drafts_blindly(target)}, {"drafter": drafter}
+    )
+    monkeypatch.setattr(bench, "load_models", lambda args, mtp_dir: models)
+    flags = ["--tasks", "document", "code", "--contexts", "256", "--methods", "native", "sink_window"]
+    flags += [
+        "--budgets",
+        "96",
+        "--gammas",
+        "4",
+        "--repeats",
+        "1",
+        "--no_warmup",
+        "--no_plots",
+        "--no_progress",
+    ]
+    code = main(["bench", "--preset", "smoke", "--output-dir", str(tmp_path), *flags])
+    assert code == 1  # the bench fails the run
+    assert "DIFFER from the target's greedy output" in capsys.readouterr().out
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    by_label = {}
+    for record in records:
+        by_label.setdefault(record["label"], []).append(record)
+    assert all(r["diff_tokens"] == 0 for r in by_label["ar"])  # AR never verifies drafts: unaffected
+    for record in by_label["sink_window B=96 γ=4"]:
+        assert record["diff_tokens"] > 0 and record["first_diff"] is not None
+        assert record["acceptance_rate"] == 1.0  # every draft "accepted"
+        assert abs(record["first_diff_margin"]) > 1e-3  # a real change, not an argmax near-tie
+    assert "DIFFER" in (tmp_path / "report.md").read_text()
+
+
+def test_corrupting_the_draft_cache_keeps_the_output_and_lowers_acceptance(tmp_path, monkeypatch):
+    clean = run_bench(_reduced(tmp_path / "clean"))
+
+    visible_past = SparseDraftLayer.visible_past
+
+    def corrupted(self):  # every key the sparse draft reads is paired with the negated value
+        keys, values = visible_past(self)
+        return keys, -values
+
+    monkeypatch.setattr(SparseDraftLayer, "visible_past", corrupted)
+    broken = run_bench(_reduced(tmp_path / "broken"))
+    assert broken.ok and all(r["diff_tokens"] == 0 for r in broken.records)  # the target verified every token
+
+    def acceptance(result, name):
+        rows = [r for r in result.records if r["name"] == name]
+        return sum(r["accepted_tokens"] for r in rows) / sum(r["proposed_tokens"] for r in rows)
+
+    for name in ("sink_window", "budgeted/chunk"):
+        assert acceptance(broken, name) < 0.6 * acceptance(clean, name), name
+
+
+def test_demo_preset_says_the_bundled_models_are_missing(tmp_path, capsys):
+    try:
+        from hf_budgetdraft.demo import load_demo_models  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("the bundled demo models exist in this version")
+    assert main(["bench", "--preset", "demo", "--output-dir", str(tmp_path)]) == 2
+    assert "bundled demo models, which are not available yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--budgets", "4"], "must exceed --num_sink_tokens=4"),
+        (["--gammas", "0"], r"--gammas values must be in \[1, 64\]"),
+        (["--contexts", "8"], "--contexts values must be in"),
+        (["--policies", "h2o"], "--policies must be among"),
+        (["--policy_kwargs", "{bad"], "--policy_kwargs must be JSON"),
+        (["--preset", "full"], "--preset full needs --target and --drafter"),
+        (["--contexts", *["4096"] * 40, "--repeats", "1000"], "generate\\(\\) calls"),
+    ],
+)
+def test_bad_bench_arguments(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", *flags])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_method_spec_labels_and_errors():
+    spec = MethodSpec("assisted", "budgeted", "snapkv", 96, 4, drafter="drafter")
+    assert spec.label == "budgeted/snapkv B=96 γ=4" and spec.native_counterpart() == MethodSpec(
+        "assisted", "full", gamma=4, drafter="drafter"
+    )
+    assert (
+        MethodSpec("mtp", "sink_window", budget=64, gamma=2, target="mtp").label
+        == "mtp:mtp_windowed B=64 γ=2"
+    )
+    assert MethodSpec("ar").native_counterpart() is None
+    with pytest.raises(ValueError, match="needs a budget"):
+        MethodSpec("assisted", "sink_window", gamma=2)
+    with pytest.raises(ValueError, match="method must be one of"):
+        MethodSpec("medusa")
+
+
+def test_full_preset_without_data_runs_the_passkey_tasks_only(capsys):
+    args = BenchArguments(preset="full", target="some/target", drafter="some/drafter")
+    documents, corpus = bench.load_corpus(args)
+    assert documents == [] and "passkey tasks only" in corpus
+    assert bench._tasks_with_data(args, documents) == ["passkey", "needle_outside_window"]
+    assert "skipping task 'code'" in capsys.readouterr().err
+    explicit = BenchArguments(preset="full", target="t", drafter="d", tasks=["document"])
+    with pytest.raises(ValueError, match="needs --data_files or --dataset_name"):
+        bench.load_corpus(explicit)
