@@ -122,9 +122,8 @@ def smoke_mtp_model(
     is random: it checks the windowed-MTP machinery (lossless output, bounded cache, cost), not acceptance.
     """
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    from transformers.modeling_layers import MtpModel
 
-    from .generation.mtp import expose_mtp_layers, save_pretrained_with_mtp
+    from .generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
     if not 1 <= num_mtp_layers <= 8:
         raise ValueError(f"num_mtp_layers must be in [1, 8], got {num_mtp_layers}")
@@ -153,11 +152,6 @@ def smoke_mtp_model(
     )
     model = Glm4MoeForCausalLM(config).eval()
     _sharpen(model)
-    mtp = MtpModel(model, num_mtp_layers)
-    # MtpModel leaves its MoE experts and router as torch.empty (garbage, sometimes NaN): initialise them
-    with torch.no_grad():
-        for layer in mtp.layers:
-            layer.apply(model._init_weights)
-    save_pretrained_with_mtp(model, mtp, path)
+    save_pretrained_with_mtp(model, new_mtp_head(model, num_mtp_layers), path)
     loaded = Glm4MoeForCausalLM.from_pretrained(path, attn_implementation="sdpa")
     return expose_mtp_layers(loaded).eval()

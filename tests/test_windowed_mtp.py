@@ -9,7 +9,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_layers import MtpModel
 
 from hf_budgetdraft import cache_nbytes, record_speculation
-from hf_budgetdraft.generation.mtp import WindowedMtpCache, expose_mtp_layers, save_pretrained_with_mtp
+from hf_budgetdraft.generation.mtp import (
+    WindowedMtpCache,
+    expose_mtp_layers,
+    new_mtp_head,
+    save_pretrained_with_mtp,
+)
 
 MTP_FAMILIES = {
     "glm4_moe": dict(first_k_dense_replace=2, head_dim=16, num_key_value_heads=2),
@@ -54,7 +59,7 @@ def _saved_mtp_model(family: str, num_mtp_layers: int, tmp_root: str) -> str:
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
     path = f"{tmp_root}/{family}-{num_mtp_layers}"
-    save_pretrained_with_mtp(model, MtpModel(model, num_mtp_layers), path)
+    save_pretrained_with_mtp(model, new_mtp_head(model, num_mtp_layers), path)
     return path
 
 

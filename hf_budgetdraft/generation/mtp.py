@@ -59,6 +59,21 @@ def expose_mtp_layers(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def new_mtp_head(model: PreTrainedModel, num_mtp_layers: int | None = None) -> MtpModel:
+    """A freshly initialised `MtpModel` for `model` (to train, or random for tests).
+
+    `MtpModel(model, n)` leaves some parameters (e.g. MoE experts and router) as uninitialised `torch.empty`
+    memory — garbage, sometimes NaN; every MTP layer is initialised here with the model's own `_init_weights`.
+    """
+    if num_mtp_layers is None:
+        num_mtp_layers = model.config.get_text_config().num_mtp_layers
+    mtp = MtpModel(model, num_mtp_layers)
+    with torch.no_grad():
+        for layer in mtp.layers:
+            layer.apply(model._init_weights)
+    return mtp
+
+
 _EXTRAS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "post_norm": "shared_head.norm"}
 
 
