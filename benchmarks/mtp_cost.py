@@ -30,7 +30,7 @@ from transformers.cache_utils import MtpCache
 from transformers.modeling_layers import MtpModel
 
 import hf_budgetdraft  # noqa: F401
-from hf_budgetdraft import cache_nbytes
+from hf_budgetdraft import GrowableCache, cache_nbytes
 from hf_budgetdraft.generation.mtp import WindowedMtpCache
 
 
@@ -86,6 +86,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sink", type=int, default=64)
     parser.add_argument("--window", type=int, default=4032)
+    parser.add_argument(
+        "--target-setup",
+        choices=["fast", "stock"],
+        default="fast",
+        help="target verification: 'fast' = budgetdraft_sdpa + GrowableCache (this package), 'stock' = sdpa + "
+        "DynamicCache (transformers' default)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
@@ -96,13 +103,17 @@ def main() -> None:
     torch.manual_seed(0)
     config = target_config(args.depth, max(args.contexts) + 64)
     target = Glm4MoeForCausalLM(config).eval()
+    if args.target_setup == "fast":
+        target.set_attn_implementation("budgetdraft_sdpa")
     mtp = MtpModel(target, args.depth).eval()
     heads, dim, hidden = config.num_key_value_heads, config.head_dim, config.hidden_size
     gamma_tokens = args.accepted + 1
 
     records = []
     for context in args.contexts:
-        target_cache = DynamicCache(config=config)
+        target_cache = (
+            GrowableCache(config=config) if args.target_setup == "fast" else DynamicCache(config=config)
+        )
         fill(target_cache, config.num_hidden_layers, context, heads, dim)
         caches = {
             "native": MtpCache(config=config.get_mtp_config()),
@@ -181,7 +192,7 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
     }
-    (args.output_dir / "mtp_cost.json").write_text(json.dumps(summary, indent=2))
+    (args.output_dir / f"mtp_cost_{args.target_setup}.json").write_text(json.dumps(summary, indent=2))
     rows = [
         f"| context | t_verify (ms) | t_ctx_draft native / windowed (ms) | t_fwd_draft native / windowed (ms) "
         f"| fit t_fwd native / windowed (ms ± SE) | step native / windowed at γ={args.depth} (ms) | win | "
@@ -200,11 +211,12 @@ def main() -> None:
     rows.append("")
     rows.append(
         f"{args.threads} torch threads, {args.repeats} interleaved repeats (medians), sink {args.sink}, window "
-        f"{args.window}, MTP depth {args.depth}, {gamma_tokens} tokens absorbed per round; random weights, caches "
+        f"{args.window}, MTP depth {args.depth}, {gamma_tokens} tokens absorbed per round, target {args.target_setup}; "
+        "random weights, caches "
         "filled with random keys/values (cost depends on shapes only)."
     )
     table = "\n".join(rows)
-    (args.output_dir / "mtp_cost.md").write_text(table + "\n")
+    (args.output_dir / f"mtp_cost_{args.target_setup}.md").write_text(table + "\n")
     print(table)
 
 
