@@ -2,8 +2,9 @@
 that has to use long context — passkey retrieval at 16K tokens, trained on CPU at <= 2K tokens.
 
 What makes a 10M-parameter model retrieve across 16K tokens on a CPU budget (see shared/MEASURED.md for what did
-not work): a mix where copying is frequent and easy from the start — passkeys (classic and real-text haystacks)
-and repeated spans (induction) beside natural text — so copy heads form early; partial RoPE (half of each head's
+not work): a mix where copying is frequent and easy from the start — passkeys (classic and real-text haystacks),
+random-token spans repeated later (predictable only by copying) and repeated text spans, beside natural text, at
+256 tokens first — so copy (induction) heads form early; partial RoPE (half of each head's
 dims unrotated) so content matching does not depend on distance; and PoSE (Zhu et al., arXiv 2309.10400): each
 training sequence is split in two and the second part's positions are shifted by a random skip, so relative
 distances up to `--max-position` are seen while sequences stay short. An explicit all-ones attention mask keeps
@@ -70,10 +71,19 @@ class Sampler:
 
     def sample(self, length: int) -> tuple[list[int], list[int]]:
         """Returns `(token_ids, position_ids)` of `length + 1` tokens (inputs + the last label)."""
-        kind = self.rng.choices(["text", "passkey", "copy"], weights=[0.4, 0.3, 0.3])[0]
+        kind = self.rng.choices(["text", "passkey", "copy", "repeat"], weights=[0.3, 0.3, 0.1, 0.3])[0]
         total = length + 1
         if kind == "text":
             ids, split = self._text(total), self.rng.randrange(1, total)
+        elif kind == "repeat":
+            # random tokens, later repeated: predictable only by copying (forms induction heads fast)
+            span = self.rng.randint(8, 32)
+            random_ids = [self.rng.randrange(2, len(self.tokenizer)) for _ in range(span)]
+            first = self.rng.randrange(0, total - 2 * span)
+            second = self.rng.randrange(first + span, total - span + 1)
+            base = self._text(total)
+            ids = base[:first] + random_ids + base[first + span : second] + random_ids + base[second + span :]
+            ids, split = ids[:total], self.rng.randrange(first + span, second + 1)
         elif kind == "copy":
             span = self.rng.randint(8, 48)
             base = self._text(total - span)
@@ -109,7 +119,9 @@ def lr_at(step: int, args) -> float:
 
 def length_at(step: int) -> tuple[int, int]:
     """(sequence length, batch size): short first so copying is learned cheaply, then longer."""
-    if step < 2500:
+    if step < 1500:
+        return 256, 16
+    if step < 3500:
         return 512, 8
     if step < 6000:
         return 1024, 4
