@@ -1,7 +1,8 @@
 """`hf-budgetdraft` command line. Sub-commands: `generate` (speculative generation with a sparse draft cache,
 checked token-for-token against the target's own greedy output); `train` (BudgetDraft training of a drafter
 against a frozen target, see `hf_budgetdraft.trainer`); `bench` (every decoding method on long-context tasks:
-greedy-diff losslessness, acceptance, speed-up, phase costs, memory; see `hf_budgetdraft.eval`)."""
+greedy-diff losslessness, acceptance, speed-up, phase costs, memory; see `hf_budgetdraft.eval`); `demo` (the Gradio
+app on 127.0.0.1, see `hf_budgetdraft.app`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from . import record_speculation
+from .app import AppArguments, demo_command
 from .cache.base import MAX_CACHE_TOKENS
 from .eval.bench import BenchArguments, bench_command
 from .random_models import random_pair
@@ -309,6 +311,7 @@ COMMANDS = {
     "generate": (GenerateArguments, generate_command),
     "train": ((TrainScriptArguments, BudgetDraftConfig), train_command),
     "bench": (BenchArguments, bench_command),
+    "demo": (AppArguments, demo_command),
 }
 
 

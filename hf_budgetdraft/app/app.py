@@ -1,0 +1,399 @@
+"""The Gradio page of `hf-budgetdraft demo`: controls on the left; plain AR and the speculative method side by
+side on the right, streamed token by token and coloured by where each token came from; the stats panel, the
+greedy-diff verdict and the acceptance-per-position plot below them.
+
+`build_app()` only lays out components and wires the event functions of this module, which are plain functions
+of the component values (tested directly in `tests/test_app.py`); the work happens in `backend.compare`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no telemetry calls
+
+import gradio as gr  # noqa: E402
+
+from .backend import (  # noqa: E402
+    DRAFTER_METHODS,
+    METHOD_LABELS,
+    MODEL_LOCAL,
+    MODEL_SMOKE_MTP,
+    MTP_METHODS,
+    POLICY_NAMES,
+    SOURCE_LABELS,
+    UPLOAD_SUFFIXES,
+    ModelStore,
+    RunRequest,
+    Snapshot,
+    compare,
+    default_model,
+    model_choices,
+)
+from .config import HOST, AppArguments  # noqa: E402
+from .render import acceptance_figure, stats_markdown, tokens_html, verdict_markdown  # noqa: E402
+
+# the order of the run event's inputs: RunRequest fields, except `decoding` ("greedy" | "sampling")
+RUN_INPUTS = (
+    "model",
+    "target_path",
+    "drafter_path",
+    "source",
+    "text",
+    "upload",
+    "depth",
+    "context_length",
+    "method",
+    "policy",
+    "num_sink_tokens",
+    "window_length",
+    "budget",
+    "gamma",
+    "max_new_tokens",
+    "decoding",
+    "temperature",
+    "seed",
+)
+RUN_OUTPUTS = ("status", "prompt", "ar_output", "spec_output", "verdict", "stats", "plot", "raw")
+
+INTRO = """\
+# hf-budgetdraft — long-context speculative decoding with a sparse draft cache
+The **draft** reads only a sparse KV cache (a sink + a recent window, or a budget of selected tokens); the
+**target** verifies every drafted token with its full cache, so greedy output is exactly the target's own.
+Both columns stream as tokens are produced: plain AR first, then the speculative run, one after the other on the
+same cores so their tokens/s compare. One run at a time: other visitors wait in a queue.
+"""
+
+THEME_FONTS = dict(  # system fonts only: the page loads nothing from the internet
+    font=["ui-sans-serif", "system-ui", "sans-serif"],
+    font_mono=["ui-monospace", "Consolas", "monospace"],
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Event functions (plain functions of component values)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def request_from_values(*values) -> RunRequest:
+    """The `RunRequest` of the run event's input values, given in `RUN_INPUTS` order."""
+    if len(values) != len(RUN_INPUTS):
+        raise TypeError(f"expected {len(RUN_INPUTS)} values ({', '.join(RUN_INPUTS)}), got {len(values)}")
+    named = dict(zip(RUN_INPUTS, values, strict=True))
+    decoding = named.pop("decoding")
+    named["sampling"] = decoding == "sampling"
+    for name in ("target_path", "drafter_path", "text"):
+        named[name] = named[name] or ""
+    named["upload"] = named["upload"] or None
+    return RunRequest(**named)
+
+
+def snapshot_outputs(snapshot: Snapshot) -> tuple:
+    """The values of `RUN_OUTPUTS` for one snapshot of a comparison."""
+    status = snapshot.status if not snapshot.error else f"**{snapshot.status}**"
+    prompt = ""
+    if snapshot.prompt is not None:
+        preview = snapshot.prompt.preview.replace("```", "`‵`")
+        prompt = f"{snapshot.prompt.description}\n\n…end of the prompt:\n```text\n{preview}\n```"
+    not_run = "Not run: choose a speculative method to compare it with plain AR."
+    figure = None
+    if snapshot.acceptance:
+        method = (snapshot.summary or {}).get("speculative", {}).get("method", "")
+        figure = acceptance_figure(snapshot.acceptance, f"Acceptance per draft position — {method}")
+    return (
+        status,
+        prompt,
+        tokens_html(snapshot.ar, "Press Run."),
+        tokens_html(snapshot.spec, not_run if snapshot.ar is not None else "Press Run."),
+        verdict_markdown(snapshot.summary),
+        stats_markdown(snapshot.summary),
+        figure,
+        snapshot.summary,
+    )
+
+
+def run_event(store: ModelStore, limits: AppArguments, *values) -> Iterator[tuple]:
+    """The Run button: stream `RUN_OUTPUTS` values while AR and then the speculative method generate.
+
+    Never raises for bad input: the first output (the status line) then says what to fix.
+    """
+    try:
+        request = request_from_values(*values)
+    except TypeError as error:  # a client calling the API with the wrong fields
+        yield snapshot_outputs(Snapshot(f"⚠ {error}", error=True))
+        return
+    with contextlib.closing(compare(request, store, limits)) as snapshots:
+        for snapshot in snapshots:
+            yield snapshot_outputs(snapshot)
+
+
+def on_model_change(model: str, method: str) -> tuple:
+    """Show the folder boxes for local models; move to a method the chosen models have."""
+    local = model == MODEL_LOCAL
+    if model == MODEL_SMOKE_MTP and method in DRAFTER_METHODS:
+        method = "mtp_windowed"
+    elif model != MODEL_SMOKE_MTP and model != MODEL_LOCAL and method in MTP_METHODS:
+        method = "sink_window"
+    return gr.update(visible=local), gr.update(visible=local), gr.update(value=method)
+
+
+def on_source_change(source: str) -> tuple:
+    """Depth for the passkey; text box and upload for the visitor's own text."""
+    return (
+        gr.update(visible=source == "passkey"),
+        gr.update(visible=source == "text"),
+        gr.update(visible=source == "text"),
+    )
+
+
+def on_method_change(method: str) -> tuple:
+    """Only the knobs of the chosen method: policy and budget for budgeted; sink for sink windows; window for
+    every sparse cache; γ for drafter methods (an MTP head drafts as many tokens as it has layers)."""
+    sparse = method in ("sink_window", "budgeted", "mtp_windowed")
+    return (
+        gr.update(visible=method == "budgeted"),
+        gr.update(visible=method == "budgeted"),
+        gr.update(visible=method in ("sink_window", "mtp_windowed")),
+        gr.update(visible=sparse),
+        gr.update(visible=method in DRAFTER_METHODS),
+    )
+
+
+def on_decoding_change(decoding: str) -> dict:
+    return gr.update(visible=decoding == "sampling")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The page
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_app(args: AppArguments | None = None, store: ModelStore | None = None) -> gr.Blocks:
+    """The demo page, its queue set to one run at a time.
+
+    Args:
+        args (`AppArguments`, *optional*): limits and options (defaults: `AppArguments()`).
+        store (`ModelStore`, *optional*): where models are loaded and kept (a new one by default).
+
+    Returns:
+        `gr.Blocks`: launch it with `launch_app(blocks, args)` (binds 127.0.0.1) or `blocks.launch(...)`.
+    """
+    args = args or AppArguments()
+    store = store or ModelStore(args)
+    model = default_model()
+    with gr.Blocks(title="hf-budgetdraft demo", analytics_enabled=False) as blocks:
+        gr.Markdown(INTRO)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=320):
+                with gr.Group():
+                    model_box = gr.Dropdown(
+                        model_choices(args.allow_local_models), value=model, label="Models", elem_id="model"
+                    )
+                    target_path = gr.Textbox(
+                        label="Target folder (on the server)",
+                        placeholder="/path/to/target (save_pretrained folder, safetensors)",
+                        visible=False,
+                        max_lines=1,
+                    )
+                    drafter_path = gr.Textbox(
+                        label="Drafter folder (empty for AR or MTP)",
+                        placeholder="/path/to/drafter",
+                        visible=False,
+                        max_lines=1,
+                    )
+                with gr.Group():
+                    source = gr.Radio(
+                        [(label, key) for key, label in SOURCE_LABELS.items()],
+                        value="document",
+                        label="Context",
+                        elem_id="source",
+                    )
+                    depth = gr.Slider(
+                        0.0, 1.0, value=0.5, step=0.05, label="Passkey depth (0 = start)", visible=False
+                    )
+                    text = gr.Textbox(
+                        label=f"Your text (≤ {args.max_text_chars:,} characters; its last tokens are the prompt)",
+                        lines=5,
+                        max_lines=12,
+                        max_length=args.max_text_chars,
+                        visible=False,
+                    )
+                    upload = gr.File(
+                        label=f"…or upload a text file (≤ {args.max_upload_bytes // 1024:,} KiB)",
+                        file_types=list(UPLOAD_SUFFIXES),
+                        type="filepath",
+                        visible=False,
+                    )
+                    context_length = gr.Slider(
+                        16,
+                        args.max_context_length,
+                        value=min(1024, args.max_context_length),
+                        step=16,
+                        label="Context length (prompt tokens)",
+                        elem_id="context-length",
+                    )
+                with gr.Group():
+                    method = gr.Dropdown(
+                        [(label, key) for key, label in METHOD_LABELS.items()],
+                        value="sink_window",
+                        label="Method",
+                        elem_id="method",
+                    )
+                    policy = gr.Dropdown(
+                        list(POLICY_NAMES), value="chunk", label="Budget policy", visible=False
+                    )
+                    budget = gr.Slider(
+                        1,
+                        args.max_budget,
+                        value=min(256, args.max_budget),
+                        step=1,
+                        label="Budget B",
+                        visible=False,
+                    )
+                    sink = gr.Slider(
+                        0,
+                        args.max_sink_tokens,
+                        value=min(16, args.max_sink_tokens),
+                        step=1,
+                        label="Sink tokens S",
+                    )
+                    window = gr.Slider(
+                        1,
+                        args.max_window_length,
+                        value=min(256, args.max_window_length),
+                        step=1,
+                        label="Window W (recent tokens the draft reads)",
+                    )
+                    gamma = gr.Slider(
+                        1,
+                        args.max_gamma,
+                        value=min(4, args.max_gamma),
+                        step=1,
+                        label="γ (draft tokens per round)",
+                    )
+                    max_new_tokens = gr.Slider(
+                        1,
+                        args.max_new_tokens,
+                        value=min(48, args.max_new_tokens),
+                        step=1,
+                        label="Max new tokens",
+                        elem_id="max-new-tokens",
+                    )
+                    with gr.Row():
+                        decoding = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding")
+                        temperature = gr.Slider(
+                            0.05, 5.0, value=1.0, step=0.05, label="Temperature", visible=False
+                        )
+                        seed = gr.Number(value=0, precision=0, minimum=0, label="Seed")
+                with gr.Row():
+                    run_button = gr.Button("Run", variant="primary", elem_id="run")
+                    stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
+            with gr.Column(scale=2, min_width=480):
+                status = gr.Markdown(
+                    "Choose the models, a context and a method, then press **Run**.", elem_id="status"
+                )
+                with gr.Row(equal_height=False):
+                    ar_output = gr.HTML(tokens_html(None, "Press Run."), elem_id="ar-output")
+                    spec_output = gr.HTML(tokens_html(None, "Press Run."), elem_id="spec-output")
+                verdict = gr.Markdown(elem_id="verdict")
+                stats = gr.Markdown(elem_id="stats")
+                plot = gr.Plot(
+                    label="Acceptance per draft position",
+                    show_label=False,
+                    format="png",
+                    elem_id="acceptance-plot",
+                )
+                with gr.Accordion("Prompt", open=False):
+                    prompt = gr.Markdown(elem_id="prompt")
+                with gr.Accordion("Raw numbers (JSON)", open=False):
+                    raw = gr.JSON(elem_id="raw")
+
+        def run(*values):
+            yield from run_event(store, args, *values)
+
+        inputs = [
+            model_box,
+            target_path,
+            drafter_path,
+            source,
+            text,
+            upload,
+            depth,
+            context_length,
+            method,
+            policy,
+            sink,
+            window,
+            budget,
+            gamma,
+            max_new_tokens,
+            decoding,
+            temperature,
+            seed,
+        ]
+        outputs = [status, prompt, ar_output, spec_output, verdict, stats, plot, raw]
+        assert len(inputs) == len(RUN_INPUTS) and len(outputs) == len(RUN_OUTPUTS)
+        run_dependency = run_button.click(
+            run, inputs, outputs, api_name="run", concurrency_limit=1, concurrency_id="generate"
+        )
+        stop_button.click(None, None, None, cancels=[run_dependency], api_visibility="private")
+        model_box.change(
+            on_model_change,
+            [model_box, method],
+            [target_path, drafter_path, method],
+            api_visibility="private",
+        )
+        source.change(on_source_change, source, [depth, text, upload], api_visibility="private")
+        method.change(
+            on_method_change, method, [policy, budget, sink, window, gamma], api_visibility="private"
+        )
+        decoding.change(on_decoding_change, decoding, temperature, api_visibility="private")
+    blocks.queue(default_concurrency_limit=1, max_size=args.queue_size)
+    blocks.hf_budgetdraft_store = store  # for tests and for closing
+    return blocks
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+def launch_app(blocks: gr.Blocks, args: AppArguments, **overrides):
+    """Serve `blocks` on 127.0.0.1:`args.port` (a free port for 0); a public link only with `args.share`.
+
+    `overrides` go to `gr.Blocks.launch` (e.g. `prevent_thread_lock=True` in tests); `server_name` cannot be
+    overridden.
+    """
+    if "server_name" in overrides:
+        raise ValueError("the demo app binds 127.0.0.1 only; use --share for a public link")
+    options = dict(
+        server_name=HOST,
+        server_port=args.port or free_port(),
+        share=args.share,
+        max_file_size=args.max_upload_bytes,
+        ssr_mode=False,
+        show_error=False,
+        theme=gr.themes.Soft(**THEME_FONTS),
+        css=".bd-tokens span:hover{outline:1px solid #374151}",
+    )
+    return blocks.launch(**(options | overrides))
+
+
+def launch(args: AppArguments) -> int:
+    """`hf-budgetdraft demo`: build the page and serve it until interrupted."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    blocks = build_app(args)
+    try:
+        launch_app(blocks, args)
+    finally:
+        blocks.hf_budgetdraft_store.close()
+    return 0
