@@ -3,7 +3,7 @@ that has to use long context — passkey retrieval at 16K tokens, trained on CPU
 
 What makes a 10M-parameter model retrieve across 16K tokens on a CPU budget (see shared/MEASURED.md for what did
 not work): a mix where copying is frequent and easy from the start — passkeys (classic and real-text haystacks),
-random-token spans repeated later (predictable only by copying) and repeated text spans, beside natural text, at
+random-token segments repeated to the end (predictable only by copying) and repeated text spans, beside natural text, at
 256 tokens first — so copy (induction) heads form early; partial RoPE (half of each head's
 dims unrotated) so content matching does not depend on distance; and PoSE (Zhu et al., arXiv 2309.10400): each
 training sequence is split in two and the second part's positions are shifted by a random skip, so relative
@@ -76,14 +76,13 @@ class Sampler:
         if kind == "text":
             ids, split = self._text(total), self.rng.randrange(1, total)
         elif kind == "repeat":
-            # random tokens, later repeated: predictable only by copying (forms induction heads fast)
-            span = self.rng.randint(8, 32)
-            random_ids = [self.rng.randrange(2, len(self.tokenizer)) for _ in range(span)]
-            first = self.rng.randrange(0, total - 2 * span)
-            second = self.rng.randrange(first + span, total - span + 1)
-            base = self._text(total)
-            ids = base[:first] + random_ids + base[first + span : second] + random_ids + base[second + span :]
-            ids, split = ids[:total], self.rng.randrange(first + span, second + 1)
+            # a random-token segment repeated to the end: everything after its first occurrence is predictable
+            # only by copying, so most of the sample's loss pushes towards induction heads
+            span = self.rng.randint(16, 64)
+            segment = [self.rng.randrange(2, len(self.tokenizer)) for _ in range(span)]
+            prefix = self._text(self.rng.randrange(0, 64))
+            ids = (prefix + segment * (total // span + 1))[:total]
+            split = self.rng.randrange(len(prefix) + span, total)
         elif kind == "copy":
             span = self.rng.randint(8, 48)
             base = self._text(total - span)
