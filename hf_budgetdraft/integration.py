@@ -12,7 +12,8 @@
   target itself runs on the sparse cache (StreamingLLM-style, **lossy**: output can differ from full-cache greedy
   decoding).
 
-`install()` also registers `attn_implementation="budgetdraft_sdpa"` (and the query-capture attentions).
+`install()` also registers `attn_implementation="budgetdraft_sdpa"`, `"budgetdraft_varlen"` (varlen kernels on
+GPU; the attention a `cache_config={"static": True}` draft cache needs) and the query-capture attentions.
 
 Every other `generate()` call goes to transformers untouched.
 """
@@ -28,6 +29,7 @@ from transformers.generation.utils import GenerationMixin, GenerationMode
 from .attention.fast_sdpa import register as register_fast_sdpa
 from .attention.query_capture import CAPTURE_PREFIX
 from .attention.query_capture import register as register_query_capture
+from .attention.varlen import register as register_varlen
 from .cache import BudgetedCache, GrowableCache, SinkWindowCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .generation.candidate_generator import SparseDraftCandidateGenerator
@@ -202,6 +204,7 @@ def install() -> None:
         return
     register_query_capture()
     register_fast_sdpa()
+    register_varlen()
     missing = tuple(
         n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     )

@@ -21,10 +21,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
 from .fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
+from .varlen import budgetdraft_varlen_attention_forward, budgetdraft_varlen_mask
 
 CAPTURE_PREFIX = "budgetdraft_capture_"
-_BASES = {"sdpa": sdpa_mask, "eager": eager_mask, "budgetdraft_sdpa": budgetdraft_sdpa_mask}
-_SDPA_FUNCTIONS = {"sdpa": sdpa_attention_forward, "budgetdraft_sdpa": budgetdraft_sdpa_attention_forward}
+_BASES = {
+    "sdpa": sdpa_mask,
+    "eager": eager_mask,
+    "budgetdraft_sdpa": budgetdraft_sdpa_mask,
+    "budgetdraft_varlen": budgetdraft_varlen_mask,
+}
+_SDPA_FUNCTIONS = {
+    "sdpa": sdpa_attention_forward,
+    "budgetdraft_sdpa": budgetdraft_sdpa_attention_forward,
+    "budgetdraft_varlen": budgetdraft_varlen_attention_forward,
+}
 
 
 class QueryReceiver(Protocol):
@@ -73,7 +83,7 @@ def _make_capturing(base: str) -> Callable:
 
 
 def register() -> None:
-    """Register `budgetdraft_capture_{sdpa,eager,budgetdraft_sdpa}` (idempotent)."""
+    """Register `budgetdraft_capture_{sdpa,eager,budgetdraft_sdpa,budgetdraft_varlen}` (idempotent)."""
     for base, mask in _BASES.items():
         name = CAPTURE_PREFIX + base
         if name not in AttentionInterface._global_mapping:

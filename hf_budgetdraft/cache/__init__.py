@@ -1,10 +1,12 @@
-"""Sparse draft KV caches (the draft reads these) and `GrowableCache`, the full cache the target keeps."""
+"""Sparse draft KV caches (the draft reads these; `static=True`: their compile-friendly slot-buffer layers) and
+`GrowableCache`, the full cache the target keeps."""
 
 from .base import SparseDraftCache, SparseDraftLayer, cache_nbytes
 from .budgeted import BudgetedCache, BudgetedLayer
 from .growable import GrowableCache, GrowableLayer, is_full_attention_only
 from .policies import POLICIES, ChunkPolicy, KeepPolicy, SnapKVPolicy, StreamingPolicy, get_policy
 from .sink_window import SinkWindowCache, SinkWindowLayer
+from .static import StaticBudgetedLayer, StaticDraftLayer, StaticSinkWindowLayer
 
 __all__ = [
     "POLICIES",
@@ -19,6 +21,9 @@ __all__ = [
     "SnapKVPolicy",
     "SparseDraftCache",
     "SparseDraftLayer",
+    "StaticBudgetedLayer",
+    "StaticDraftLayer",
+    "StaticSinkWindowLayer",
     "StreamingPolicy",
     "cache_nbytes",
     "get_policy",

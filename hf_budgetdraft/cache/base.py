@@ -25,6 +25,7 @@ from transformers.cache_utils import (
 )
 
 from .ring_window import RingWindow
+from .static import StaticDraftLayer
 
 MAX_CACHE_TOKENS = 1 << 22  # bound on any user-given size, so a typo cannot allocate terabytes
 
@@ -163,7 +164,12 @@ class SparseDraftCache(Cache):
     `DynamicSlidingWindowLayer`. A model with no full-attention layer has nothing to sparsify.
     """
 
-    def __init__(self, config: PreTrainedConfig, make_layer: Callable[[int], SparseDraftLayer], slack: int):
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        make_layer: Callable[[int], SparseDraftLayer | StaticDraftLayer],
+        slack: int,
+    ):
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
                 f"config must be the model's PreTrainedConfig (e.g. `config=model.config`), got {type(config).__name__}"
@@ -182,7 +188,7 @@ class SparseDraftCache(Cache):
                     f"layer {idx} of {config.model_type!r} is {layer_type!r}; a sparse draft cache can only replace "
                     "attention KV caches (full, sliding, chunked). Use a drafter with standard attention layers."
                 )
-        if not any(isinstance(layer, SparseDraftLayer) for layer in layers):
+        if not any(isinstance(layer, (SparseDraftLayer, StaticDraftLayer)) for layer in layers):
             raise ValueError(
                 f"{config.model_type!r} with layer types {sorted(set(layer_types))} has no full-attention layer: its "
                 "cache is already bounded by its sliding window, there is nothing for a sparse draft cache to do"

@@ -14,6 +14,7 @@ from transformers import PreTrainedConfig
 from ..attention.query_capture import cancel_request, request_queries
 from .base import SparseDraftCache, SparseDraftLayer, check_size
 from .policies import KeepPolicy, get_policy
+from .static import StaticBudgetedLayer, check_static_flag
 
 
 class BudgetedLayer(SparseDraftLayer):
@@ -111,6 +112,9 @@ class BudgetedCache(SparseDraftCache):
         window_length (`int`, defaults to 256): tokens after the prefill kept in the recent window.
         slack (`int`, defaults to 32): the longest draft round that can be rolled back.
         policy_kwargs (`dict`, *optional*): hyper-parameters of a named policy (e.g. `{"chunk_size": 16}`).
+        static (`bool`, defaults to `False`): preallocated `[kept prefix | ring]` slot buffers with tensor bookkeeping,
+            so a one-token step has fixed shapes (`torch.compile` / CUDA graphs); needs the model to run
+            `attn_implementation="budgetdraft_varlen"`. Same keys, same outputs as the dynamic layers.
 
     Example:
         >>> cache = BudgetedCache(config=drafter.config, budget=64, policy="chunk")
@@ -125,13 +129,16 @@ class BudgetedCache(SparseDraftCache):
         window_length: int = 256,
         slack: int = 32,
         policy_kwargs: dict | None = None,
+        static: bool = False,
     ):
         check_size("budget", budget, 1)
         check_size("window_length", window_length, 1)
         check_size("slack", slack, 1)
+        check_static_flag(static, config)
         self.policy = get_policy(policy, **(policy_kwargs or {}))
         self.policy.validate_budget(budget)
-        self.budget, self.window_length = budget, window_length
+        self.budget, self.window_length, self.static = budget, window_length, static
+        layer_class = StaticBudgetedLayer if static else BudgetedLayer
         super().__init__(
-            config, lambda idx: BudgetedLayer(self.policy, budget, window_length, slack, layer_idx=idx), slack
+            config, lambda idx: layer_class(self.policy, budget, window_length, slack, layer_idx=idx), slack
         )

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from .base import SparseDraftCache, SparseDraftLayer, check_size
+from .static import StaticSinkWindowLayer, check_static_flag
 
 
 class SinkWindowLayer(SparseDraftLayer):
@@ -55,6 +56,9 @@ class SinkWindowCache(SparseDraftCache):
         num_sink_tokens (`int`, defaults to 64): first tokens always kept (attention sink), S.
         window_length (`int`, defaults to 1024): most recent past tokens kept, W.
         slack (`int`, defaults to 32): extra ring slots; the longest draft round that can be rolled back.
+        static (`bool`, defaults to `False`): preallocated `[sink | ring]` slot buffers with tensor bookkeeping, so a
+            one-token step has fixed shapes (`torch.compile` / CUDA graphs); needs the model to run
+            `attn_implementation="budgetdraft_varlen"`. Same keys, same outputs as the dynamic layers.
 
     Example:
         >>> cache = SinkWindowCache(config=drafter.config, num_sink_tokens=4, window_length=48)
@@ -62,10 +66,17 @@ class SinkWindowCache(SparseDraftCache):
     """
 
     def __init__(
-        self, config: PreTrainedConfig, num_sink_tokens: int = 64, window_length: int = 1024, slack: int = 32
+        self,
+        config: PreTrainedConfig,
+        num_sink_tokens: int = 64,
+        window_length: int = 1024,
+        slack: int = 32,
+        static: bool = False,
     ):
         check_size("num_sink_tokens", num_sink_tokens, 0)
         check_size("window_length", window_length, 1)
         check_size("slack", slack, 1)
-        self.num_sink_tokens, self.window_length = num_sink_tokens, window_length
-        super().__init__(config, lambda idx: SinkWindowLayer(num_sink_tokens, window_length, slack), slack)
+        check_static_flag(static, config)
+        self.num_sink_tokens, self.window_length, self.static = num_sink_tokens, window_length, static
+        layer_class = StaticSinkWindowLayer if static else SinkWindowLayer
+        super().__init__(config, lambda idx: layer_class(num_sink_tokens, window_length, slack), slack)

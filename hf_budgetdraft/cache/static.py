@@ -1,0 +1,431 @@
+"""Static sparse draft caches: preallocated slot buffers and tensor bookkeeping, so a decode step has fixed shapes.
+
+`SinkWindowCache(..., static=True)` and `BudgetedCache(..., static=True)` (`cache_config={"static": True}`) keep
+exactly the keys of their dynamic layers — sink + window (Windowed-MTP, arXiv 2607.21535, §3) or a policy-selected
+prefix + window (BudgetDraft, arXiv 2606.00144, §3.1), same policy code, same rollback slack — laid out as one
+buffer per layer:
+
+    keys, values: (B, H_kv, S + W + slack, D) = [S static slots (sink / kept prefix) | W + slack ring slots]
+
+A **one-token step** writes the new key into its slot (a sink slot while `L < S`, else ring slot
+`S + (L - ring_start) mod (W + slack)`) and returns the whole buffer in slot order; no Python number changes: the
+logical length, the ring start and the position held by each ring slot are device tensors updated in place, so a
+compiled step (`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the context grows. The slots a
+query at position `p` may read are
+
+    static slot j:  j <= p (sink) or j < num_kept (budgeted prefix)
+    ring slot:      ring_start <= pos <= p and pos >= p - W     (pos = the position the slot holds, -1 = empty)
+
+— the dynamic layer's `[sink, window, new]` keys, and nothing stale (empty slots, tokens rolled back by `crop`,
+tokens older than the window). The step hands that mask to the attention function through the attention kwargs
+(`STATIC_LAYER_KWARG`); it is read by `attn_implementation="budgetdraft_varlen"` (one masked SDPA, or a varlen
+kernel), which is why a static cache refuses any other attention implementation: stock `sdpa`/`eager` would read
+the stale slots. Model families whose attention does not pass its kwargs to `cache.update` (GPT-NeoX) cannot run a
+static cache.
+
+**Multi-token forwards** (the prefill, a draft block of several tokens) return `[visible past, new]` exactly like
+the dynamic layers (they read lengths on the host and are not meant to be compiled). `get_mask_sizes` follows the
+same split: `(S + W + slack, 0)` for a one-token step, the dynamic sizes otherwise. `crop(-n)` is exact within the
+slack and raises beyond it, like the dynamic layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin
+
+from ..attention.query_capture import cancel_request, request_queries
+from ..attention.varlen import NAME as VARLEN_NAME
+from ..attention.varlen import STATIC_LAYER_KWARG
+from .policies import KeepPolicy
+
+
+def check_static_flag(static, config: PreTrainedConfig) -> None:
+    """Validate a cache's `static` switch: a bool, and (if True) a model that runs `budgetdraft_varlen` attention."""
+    if not isinstance(static, bool):
+        raise TypeError(f"static must be a bool, got {type(static).__name__} ({static!r})")
+    # (a config of the wrong type is refused, with its own message, by SparseDraftCache)
+    if static and isinstance(config, PreTrainedConfig):
+        check_static_attention(config.get_text_config(decoder=True))
+
+
+def check_static_attention(config: PreTrainedConfig) -> None:
+    """Raise unless the model of `config` runs `attn_implementation="budgetdraft_varlen"` (which reads the slot mask)."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is None or not str(implementation).endswith(VARLEN_NAME):
+        raise ValueError(
+            f"static=True returns fixed slot buffers whose stale slots only attn_implementation={VARLEN_NAME!r} hides, "
+            f"but the model runs attn_implementation={implementation!r}. Load the drafter with "
+            f"attn_implementation={VARLEN_NAME!r} (or call drafter.set_attn_implementation({VARLEN_NAME!r})), or use "
+            "static=False"
+        )
+
+
+class StaticDraftLayer(CacheLayerMixin):
+    """One attention layer of a static draft cache: `static_capacity` static slots + a ring of `window + slack`.
+
+    Subclasses define the static part (`_initial_ring_start`, `_static_visible`, `_num_static_visible`,
+    `_steps_statically`).
+
+    Args:
+        static_capacity (`int`): static slots, S (sink tokens or the budget).
+        window_length (`int`): past positions a query reads from the ring, W.
+        slack (`int`): extra ring slots; the longest draft round `crop` can roll back.
+    """
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, static_capacity: int, window_length: int, slack: int):
+        super().__init__()
+        self.static_capacity, self.window, self.slack = static_capacity, window_length, slack
+        self.capacity = window_length + slack  # ring slots
+        self.num_slots = static_capacity + self.capacity
+        self.length: torch.Tensor | None = None  # () long: logical length L (next position)
+        self.ring_start: torch.Tensor | None = None  # () long: first position the ring holds
+        self.ring_positions: torch.Tensor | None = (
+            None  # (W + slack,) long: position in each ring slot, -1 = empty
+        )
+        self.num_static: torch.Tensor | None = None  # () long: filled static slots (budgeted)
+        self._awaiting_attention = False  # a step handed over its slot mask and no attention read it yet
+
+    # -- subclass hooks ------------------------------------------------------------------------------------------
+    def _initial_ring_start(self) -> int:
+        raise NotImplementedError
+
+    def _steps_statically(self) -> bool:
+        """Whether a one-token update is a fixed-shape step (else it goes through the block path)."""
+        raise NotImplementedError
+
+    def _static_visible(self, position: torch.Tensor) -> torch.Tensor:
+        """`(S,)` bool: static slots a query at `position` reads."""
+        raise NotImplementedError
+
+    def _num_static_visible(self, length: int) -> int:
+        raise NotImplementedError
+
+    # -- allocation ----------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        batch, heads = self.batch_size, self.num_heads
+        self.keys = key_states.new_zeros(batch, heads, self.num_slots, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, heads, self.num_slots, value_states.shape[-1])
+        long = dict(dtype=torch.long, device=key_states.device)
+        self.length = torch.zeros((), **long)
+        self.ring_start = torch.full((), self._initial_ring_start(), **long)
+        self.ring_positions = torch.full((self.capacity,), -1, **long)
+        self.num_static = torch.zeros((), **long)
+        self._static_slots = torch.arange(self.static_capacity, **long)
+        if (
+            not torch.compiler.is_compiling()
+        ):  # fixed data pointers: in-place updates never break a CUDA graph
+            for tensor in (
+                self.keys,
+                self.values,
+                self.length,
+                self.ring_start,
+                self.ring_positions,
+                self.num_static,
+            ):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    # -- the slot mask -------------------------------------------------------------------------------------------
+    def key_mask(self, position: torch.Tensor | int) -> torch.Tensor:
+        """`(1, 1, S + W + slack)` bool: the slots a query at `position` reads (its own key included)."""
+        ring = self.ring_positions
+        ring_visible = (ring >= self.ring_start) & (ring <= position) & (ring >= position - self.window)
+        return torch.cat([self._static_visible(torch.as_tensor(position, device=ring.device)), ring_visible])[
+            None, None
+        ]
+
+    def consume_key_mask(self) -> torch.Tensor:
+        """Called by the attention function of the step that just ran `update`: the mask of its query."""
+        self._awaiting_attention = False
+        return self.key_mask(self.length - 1)
+
+    # -- updates -------------------------------------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token: write it, return the `(B, H, S + W + slack, D)` buffers. Several: return `[visible past, new]`."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[-2] == 1 and self._steps_statically():
+            return self._step(key_states, value_states, kwargs.get("kwargs"))
+        return self._update_block(key_states, value_states)
+
+    def _step(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None):
+        if attention_kwargs is None:
+            raise ValueError(
+                "a static draft cache hands its slot mask to the attention function through the kwargs the attention "
+                "module passes to cache.update(..., kwargs=kwargs); this model family calls update without them. Use "
+                "static=False for this drafter"
+            )
+        if self._awaiting_attention:
+            raise ValueError(
+                "the previous step's slot mask was never read by the attention function, so that step attended to "
+                f"stale slots: the drafter is not running attn_implementation={VARLEN_NAME!r}. Load it with "
+                f"attn_implementation={VARLEN_NAME!r}, or use static=False"
+            )
+        position = self.length  # () long: the new token's position
+        in_ring = position >= self.ring_start
+        ring_slot = (position - self.ring_start).remainder(self.capacity).reshape(1)  # (1,)
+        slot = torch.where(
+            in_ring, ring_slot + self.static_capacity, position
+        )  # (1,): sink slot p while p < S
+        # stored detached: backpropagation goes through the keys `update` returns, never into the buffer
+        self.keys.index_copy_(2, slot, key_states.detach())
+        self.values.index_copy_(2, slot, value_states.detach())
+        held = self.ring_positions.index_select(0, ring_slot)
+        self.ring_positions.index_copy_(0, ring_slot, torch.where(in_ring, position, held))
+        self.length.add_(1)
+        self._awaiting_attention = True
+        attention_kwargs[STATIC_LAYER_KWARG] = self
+        return self.keys, self.values
+
+    def _ring_index(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions `[first, last)` of the ring and their slots (ring-relative)."""
+        positions = torch.arange(first, max(first, last), device=self.ring_positions.device)
+        return positions, (positions - self.ring_start).remainder(self.capacity)
+
+    def _window_start(self, length: int) -> int:
+        return max(int(self.ring_start), length - self.window)
+
+    def _visible_past(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values a block starting at `length` reads, in the dynamic layer's order: `(B, H, n, D)` each."""
+        positions, slots = self._ring_index(self._window_start(length), length)
+        if not bool((self.ring_positions[slots] == positions).all()):
+            raise RuntimeError(
+                f"static ring lost a position of the window before {length}; this is a bug in the cache bookkeeping"
+            )
+        index = torch.cat(
+            [
+                torch.arange(self._num_static_visible(length), device=slots.device),
+                slots + self.static_capacity,
+            ]
+        )
+        return self.keys.index_select(2, index), self.values.index_select(2, index)
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int) -> None:
+        """Store tokens at positions `[length, length + q)`: static slots below the ring start, then the ring."""
+        new = key_states.shape[-2]
+        into_static = min(max(int(self.ring_start) - length, 0), new)
+        if into_static:
+            self.keys[:, :, length : length + into_static] = key_states[:, :, :into_static].detach()
+            self.values[:, :, length : length + into_static] = value_states[:, :, :into_static].detach()
+        keep = min(new - into_static, self.capacity)  # only the last `capacity` ring tokens survive
+        if keep:
+            positions, slots = self._ring_index(length + new - keep, length + new)
+            self.keys.index_copy_(2, slots + self.static_capacity, key_states[:, :, new - keep :].detach())
+            self.values.index_copy_(
+                2, slots + self.static_capacity, value_states[:, :, new - keep :].detach()
+            )
+            self.ring_positions.index_copy_(0, slots, positions)
+
+    def _update_block(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        length = int(self.length)
+        past_keys, past_values = self._visible_past(length)
+        self._write(key_states, value_states, length)
+        self.length.fill_(length + key_states.shape[-2])
+        if past_keys.shape[-2] == 0:
+            return key_states, value_states
+        return torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
+
+    # -- sizes ---------------------------------------------------------------------------------------------------
+    def num_visible_past(self, length: int | None = None) -> int:
+        if length is None:
+            length = int(self.length) if self.is_initialized else 0
+        if length == 0:
+            return 0
+        return self._num_static_visible(length) + max(0, length - self._window_start(length))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length == 1 and self._steps_statically():
+            return self.num_slots, 0
+        length = int(self.length) if self.is_initialized else 0
+        num_past = self.num_visible_past(length)
+        return num_past + query_length, length - num_past
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        # a tensor, like transformers' StaticLayer: a compiled step reads it without a guard on its value
+        return self.length.clone() if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # -- rollback ------------------------------------------------------------------------------------------------
+    def _check_crop(self, tokens_to_remove) -> int:
+        tokens_to_remove = int(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): sparse draft caches only take a negative count, crop(-n), "
+                "to remove the last n tokens"
+            )
+        length = int(self.length) if self.is_initialized else 0
+        new_length = length + tokens_to_remove
+        if new_length < 0:
+            raise ValueError(f"crop({tokens_to_remove}) removes more than the {length} cached tokens")
+        if self.is_initialized:
+            positions, slots = self._ring_index(self._window_start(new_length), new_length)
+            if not bool((self.ring_positions[slots] == positions).all()):
+                raise ValueError(
+                    f"crop({tokens_to_remove}) needs position {int(positions[0])}, already overwritten in the ring; "
+                    f"rolling back is exact only within the slack ({self.slack} tokens). Create the cache with a "
+                    "larger `slack` (>= the draft length)."
+                )
+        return new_length
+
+    def crop(self, tokens_to_remove) -> None:
+        self._set_length(self._check_crop(tokens_to_remove))
+
+    def _set_length(self, length: int) -> None:
+        if self.is_initialized:
+            self.length.fill_(
+                length
+            )  # tokens past it stay in their slots, hidden by `pos <= p` until rewritten
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+            self.length.zero_()
+            self.ring_start.fill_(self._initial_ring_start())
+            self.ring_positions.fill_(-1)
+            self.num_static.zero_()
+        self._awaiting_attention = False
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def _unsupported(self, *args, **kwargs):
+        raise ValueError(
+            "sparse draft caches hold one sequence per batch row; beam search/reordering is unsupported"
+        )
+
+    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class StaticSinkWindowLayer(StaticDraftLayer):
+    """Static `SinkWindowLayer`: `num_sink_tokens` sink slots + a ring of `window_length + slack` slots."""
+
+    def __init__(self, num_sink_tokens: int, window_length: int, slack: int):
+        super().__init__(static_capacity=num_sink_tokens, window_length=window_length, slack=slack)
+        self.num_sink_tokens = num_sink_tokens
+
+    def _initial_ring_start(self) -> int:
+        return self.num_sink_tokens
+
+    def _steps_statically(self) -> bool:
+        return True
+
+    def _static_visible(self, position: torch.Tensor) -> torch.Tensor:
+        return self._static_slots <= position  # sink slot j holds position j
+
+    def _num_static_visible(self, length: int) -> int:
+        return min(self.num_sink_tokens, length)
+
+
+class StaticBudgetedLayer(StaticDraftLayer):
+    """Static `BudgetedLayer`: `budget` slots for the policy-selected prefix + a ring of `window_length + slack`.
+
+    The prefill (first update) attends to the whole prompt and compresses it with `policy.select` — the same
+    selection as `BudgetedLayer` and the trainer's views; every later token goes to the ring.
+    """
+
+    def __init__(self, policy: KeepPolicy, budget: int, window_length: int, slack: int, layer_idx: int):
+        super().__init__(static_capacity=budget, window_length=window_length, slack=slack)
+        self.policy, self.budget, self.layer_idx = policy, budget, layer_idx
+        self.prefilled = False
+        self.prefix_length: int | None = None
+        self.num_kept = 0
+        self.kept_positions: torch.Tensor | None = None  # (B, H, num_kept) after the prefill
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
+
+    def _initial_ring_start(self) -> int:
+        return 0
+
+    def _steps_statically(self) -> bool:
+        return self.prefilled
+
+    def _static_visible(self, position: torch.Tensor) -> torch.Tensor:
+        return self._static_slots < self.num_static  # the kept prefix, always visible after the prefill
+
+    def _num_static_visible(self, length: int) -> int:
+        return self.num_kept
+
+    def _check_not_pending(self) -> None:
+        if self._pending is not None:
+            cancel_request(self)
+            self._pending = None
+            raise ValueError(
+                f"policy={self.policy.name!r} scores the prefix with the prefill queries, but the model's attention "
+                "did not hand them over. Run the model inside `hf_budgetdraft.query_capture(model)` (generate() "
+                "with cache_implementation='budgeted' does this for you), or use policy='chunk'/'streaming'."
+            )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """First call: prefill `(B, H, L, D)`, attends fully, then the prefix is compressed to the budget.
+        Later calls: see `StaticDraftLayer.update`."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self.prefilled:
+            self._prefill(key_states, value_states)
+            return key_states, value_states
+        self._check_not_pending()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        length = key_states.shape[-2]
+        self.prefix_length, self.prefilled = length, True
+        self.length.fill_(length)
+        self.ring_start.fill_(length)
+        if length > self.budget and self.policy.needs_queries:
+            self._pending = (key_states, value_states)
+            request_queries(self, self.layer_idx)
+        else:
+            self._compress(key_states, value_states, None)
+
+    def receive_queries(self, queries: torch.Tensor) -> None:
+        """Called by the capturing attention function with the prefill queries `(B, H_q, L, D)`."""
+        if self._pending is None:
+            return
+        keys, values = self._pending
+        self._pending = None
+        self._compress(keys, values, queries[:, :, -self.policy.query_window :])
+
+    def _compress(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
+        positions = self.policy.select(keys, self.budget, queries)  # (B, H, n)
+        self.num_kept = positions.shape[-1]
+        self.num_static.fill_(self.num_kept)
+        self.kept_positions = positions
+        index = positions[..., None]  # (B, H, n, 1)
+        self.keys[:, :, : self.num_kept] = keys.detach().gather(2, index.expand(-1, -1, -1, keys.shape[-1]))
+        self.values[:, :, : self.num_kept] = values.detach().gather(
+            2, index.expand(-1, -1, -1, values.shape[-1])
+        )
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        self._check_not_pending()
+        return super().get_mask_sizes(query_length)
+
+    def crop(self, tokens_to_remove) -> None:
+        new_length = self._check_crop(tokens_to_remove)
+        if self.prefix_length is not None and new_length < self.prefix_length:
+            raise ValueError(
+                f"crop({int(tokens_to_remove)}) would cut into the compressed prefix (length {self.prefix_length}); "
+                "a budgeted cache can only roll back tokens added after its prefill"
+            )
+        self._set_length(new_length)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prefilled, self.prefix_length, self.num_kept, self.kept_positions = False, None, 0, None
+        self._pending = None

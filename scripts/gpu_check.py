@@ -1,0 +1,616 @@
+"""The GPU checks of issue 9, as one prepared script: about 5-7 minutes on one H200, JSON out.
+
+    python scripts/gpu_check.py --out gpu-check-out            # on a CUDA machine
+    python scripts/gpu_check.py --out smoke-out --cpu-smoke    # the same logic at tiny sizes on CPU (~15 s)
+
+Sections (each recorded even if another fails; the JSON is rewritten after every section):
+
+1. `kernels` — `sparse_varlen_attention` through every packed kernel this machine has (flash-attn
+   `flash_attn_varlen_func`, torch `varlen_attn`, the SDPA fallback) on ragged per-(row, KV-head) key sets with GQA,
+   a causal 4-token block and a one-token step, forward and backward, against fp32 masked SDPA.
+2. `greedy` — greedy output of speculative decoding == the target's own greedy output, on the GPU paths: the draft on
+   `budgetdraft_varlen` (varlen kernel), dynamic and static (`cache_config={"static": True}`, compiled by generate
+   with CUDA graphs) sink/window and budgeted caches, in fp32 (every diff must be 0) and bf16.
+3. `noise_envelope` — bf16: native (stock full-cache draft) vs AR divergence beside windowed vs native divergence,
+   with the target's logit margin at each first divergence (a near-tie is noise; the draft never touches the
+   target's logits, so a windowed divergence at a large margin would be a bug).
+4. `draft_step_cost` — one-token draft step at 32K and 128K context: native (full KV) vs sink/window, eager and
+   compiled (native on a `StaticCache`, windowed on a static sink/window cache; CUDA graphs), ratio native/windowed.
+5. `training_step` — one BudgetDraft training step (full-cache branch + sparse views) with the drafter on
+   `budgetdraft_varlen`, loss and gradients against the same step on stock `sdpa`, then an optimizer step.
+
+Writes `<out>/gpu_check.json`; exit code 0 when every check passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import CompileConfig, DynamicCache, LlamaForCausalLM, StaticCache
+
+import hf_budgetdraft
+from hf_budgetdraft import SinkWindowCache, record_speculation
+from hf_budgetdraft.attention import varlen
+from hf_budgetdraft.eval.greedy_diff import divergence_margin, noise_envelope, token_diff
+from hf_budgetdraft.random_models import random_llama_config, smoke_pair
+from hf_budgetdraft.trainer.losses import budgetdraft_loss, hard_distillation_loss
+from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
+
+VARLEN = varlen.NAME
+FP32_MARGIN_TOLERANCE = 1e-3  # fp32 logit noise between forward shapes is ~1e-5 (shared/MEASURED.md)
+
+GPU_SIZES = dict(
+    kernel=dict(batch=3, q_heads=32, kv_heads=8, kv_length=2048, head_dim=128),
+    greedy=dict(prompt=2048, new_tokens=96, gamma=4, repeats=2, sink=16, window=240, budget=256),
+    cost=dict(contexts=[32768, 131072], steps=8, repeats=10, sink=64, window=1024, hidden=2048, layers=2),
+    train=dict(batch=2, prefix=1024, continuation=64, budgets=[128, 256]),
+)
+SMOKE_SIZES = dict(
+    kernel=dict(batch=2, q_heads=4, kv_heads=2, kv_length=40, head_dim=16),
+    greedy=dict(prompt=96, new_tokens=16, gamma=3, repeats=2, sink=4, window=28, budget=32),
+    cost=dict(contexts=[256, 512], steps=3, repeats=2, sink=4, window=32, hidden=64, layers=2),
+    train=dict(batch=2, prefix=64, continuation=8, budgets=[16, 24]),
+)
+
+
+class Report:
+    """The JSON document: sections, named checks, errors; rewritten to disk after every section."""
+
+    def __init__(self, path: Path, mode: str, time_budget: float, margin_tolerance: float):
+        self.path, self.start, self.time_budget = path, time.perf_counter(), time_budget
+        self.margin_tolerance = margin_tolerance
+        self.data: dict = {"mode": mode, "checks": {}, "errors": [], "skipped": []}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def time_left(self) -> float:
+        return self.time_budget - self.elapsed()
+
+    def check(self, name: str, passed: bool, detail=None) -> None:
+        self.data["checks"][name] = {"passed": bool(passed), "detail": detail}
+        print(
+            f"  [{'ok' if passed else 'FAIL'}] {name}" + (f": {detail}" if detail is not None else ""),
+            flush=True,
+        )
+
+    def skip(self, what: str, why: str) -> None:
+        self.data["skipped"].append({"what": what, "why": why})
+        print(f"  [skip] {what}: {why}", flush=True)
+
+    def section(self, name: str, function, *args) -> None:
+        print(f"== {name} ({self.elapsed():.0f} s)", flush=True)
+        began = time.perf_counter()
+        try:
+            self.data[name] = function(self, *args)
+        except Exception as error:  # a failed section is recorded; the others still run
+            self.data["errors"].append(
+                {"section": name, "error": repr(error), "traceback": traceback.format_exc()}
+            )
+            self.check(f"{name}.ran", False, repr(error))
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
+        self.data.setdefault("section_seconds", {})[name] = round(time.perf_counter() - began, 2)
+        self.write()
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(self.elapsed(), 2)
+        self.data["all_passed"] = not self.data["errors"] and all(
+            c["passed"] for c in self.data["checks"].values()
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(report: Report, device: torch.device) -> dict:
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_budgetdraft": hf_budgetdraft.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "varlen_backends": varlen.available_backends(),
+        "flash_attn_package": varlen.flash_attn_available(),
+        "torch_varlen_attn": varlen._torch_varlen_attn() is not None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        if varlen.flash_attn_available():
+            import flash_attn
+
+            info["flash_attn_version"] = flash_attn.__version__
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def kernels(report: Report, device: torch.device, sizes: dict) -> list[dict]:
+    batch, heads, kv_heads = sizes["batch"], sizes["q_heads"], sizes["kv_heads"]
+    length, dim = sizes["kv_length"], sizes["head_dim"]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    backends = [name for name, ok in varlen.available_backends().items() if ok]
+    dtypes = [torch.bfloat16, torch.float32] if device.type == "cuda" else [torch.float32, torch.bfloat16]
+    for q_length, causal in ((4, True), (1, False)):
+        for per_head in (False, True):
+            query = torch.randn(batch, heads, q_length, dim, generator=generator)
+            key = torch.randn(batch, kv_heads, length, dim, generator=generator)
+            value = torch.randn(batch, kv_heads, length, dim, generator=generator)
+            valid = torch.rand(batch, kv_heads if per_head else 1, length, generator=generator) < 0.5
+            valid[..., -q_length:] = True  # the new block
+            ref_inputs = [t.to(device).clone().requires_grad_() for t in (query, key, value)]
+            reference = varlen.masked_sdpa_reference(*ref_inputs, valid.to(device), causal=causal)
+            reference.float().square().sum().backward()
+            for backend in backends:
+                for dtype in dtypes:
+                    if backend != "sdpa_packed" and dtype == torch.float32:
+                        continue  # flash kernels take fp16/bf16 only
+                    inputs = [t.to(device, dtype).clone().requires_grad_() for t in (query, key, value)]
+                    out = varlen.sparse_varlen_attention(
+                        *inputs, valid.to(device), causal=causal, backend=backend
+                    )
+                    out.float().square().sum().backward()
+                    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+                    forward_error = float((out.detach().float() - reference.detach().float()).abs().max())
+                    grad_error = max(
+                        float((a.grad.float() - r.grad.float()).abs().max() / r.grad.float().abs().max())
+                        for a, r in zip(inputs, ref_inputs, strict=True)
+                    )
+                    row = {
+                        "backend": backend,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "q_length": q_length,
+                        "causal": causal,
+                        "key_sets": "per_kv_head" if per_head else "per_row",
+                        "max_abs_error": forward_error,
+                        "max_rel_grad_error": grad_error,
+                    }
+                    rows.append(row)
+                    name = f"kernels.{backend}.{row['dtype']}.q{q_length}.{row['key_sets']}"
+                    report.check(name, forward_error <= tolerance and grad_error <= 5 * tolerance, row)
+    for missing in sorted(set(varlen.available_backends()) - set(backends)):
+        report.skip(f"kernels.{missing}", "not available on this machine")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. + 3. greedy equivalence and the bf16 noise envelope
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _configure(drafter, gamma: int) -> None:
+    config = drafter.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
+    config.assistant_confidence_threshold = 0.0
+
+
+def _greedy_runs(target, drafter, native_drafter, ids, new_tokens: int, caches: dict, repeats: int, device):
+    """`{label: [generated tokens (n,) per repeat]}` and the last repeat's speculation stats per label."""
+    prompt = ids.shape[1]
+    labels = ["ar", "native", *caches]
+    outputs: dict[str, list[torch.Tensor]] = {label: [] for label in labels}
+    stats_by_label, errors = {}, {}
+    graphs = []  # graphs torch.compile built during each repeat (the static drafts compile in generate)
+    for repeat in range(repeats):
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for label in labels:
+            kwargs = dict(do_sample=False, max_new_tokens=new_tokens)
+            if label == "native":
+                kwargs["assistant_model"] = native_drafter
+            elif label != "ar":
+                implementation, cache_config = caches[label]
+                kwargs.update(
+                    assistant_model=drafter, cache_implementation=implementation, cache_config=cache_config
+                )
+            try:
+                with torch.inference_mode(), record_speculation() as stats:
+                    began = time.perf_counter()
+                    out = target.generate(ids, **kwargs)
+                    synchronize(device)
+                    seconds = time.perf_counter() - began
+            except Exception as error:  # one broken path must not hide the others' results
+                errors.setdefault(label, f"{error!r}\n{traceback.format_exc()}")
+                continue
+            outputs[label].append(out[0, prompt:].cpu())
+            if repeat == repeats - 1:
+                stats_by_label[label] = {
+                    "seconds_last_repeat": round(seconds, 4),
+                    "rounds": stats.rounds,
+                    "mean_accepted_length": stats.mean_accepted_length if stats.rounds else None,
+                }
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before)
+    outputs = {label: runs for label, runs in outputs.items() if len(runs) == repeats}
+    return outputs, stats_by_label, graphs, errors
+
+
+def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> dict:
+    prompt, new_tokens, gamma = sizes["prompt"], sizes["new_tokens"], sizes["gamma"]
+    sink, window, budget = sizes["sink"], sizes["window"], sizes["budget"]
+    slack = max(8, gamma)
+    caches = {  # label -> (cache_implementation, cache_config); the static ones compile in generate
+        "sink_window": ("sink_window", {"num_sink_tokens": sink, "window_length": window, "slack": slack}),
+        "sink_window_static": (
+            "sink_window",
+            {"num_sink_tokens": sink, "window_length": window, "slack": slack, "static": True},
+        ),
+        "budgeted_static": (
+            "budgeted",
+            {"budget": budget, "policy": "chunk", "window_length": window, "slack": slack, "static": True},
+        ),
+        "budgeted_snapkv": (
+            "budgeted",
+            {"budget": budget, "policy": "snapkv", "policy_kwargs": {"window_size": 8}, "slack": slack},
+        ),
+    }
+    result: dict = {"settings": dict(sizes), "runs": {}, "envelope": {}}
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 2048, (1, prompt), generator=generator).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        dtype_name = str(dtype).removeprefix("torch.")
+        target, drafter = smoke_pair(seed=0, max_position_embeddings=prompt + new_tokens + 64)
+        target, drafter = target.to(device, dtype), drafter.to(device, dtype)
+        native_drafter = copy.deepcopy(drafter)  # stock sdpa, full cache: "native"
+        drafter.set_attn_implementation(VARLEN)
+        for model in (drafter, native_drafter):
+            _configure(model, gamma)
+        compile_config = (
+            CompileConfig(fullgraph=True, backend="eager", mode=None)
+            if smoke
+            else CompileConfig(fullgraph=True)
+        )
+        compile_config._compile_all_devices = True  # CPU smoke: compile anyway (CUDA compiles by default)
+        drafter.generation_config.compile_config = compile_config
+        torch._dynamo.reset()  # fresh compile caches: the recompile counts below are this run's
+        outputs, stats_by_label, graphs, errors = _greedy_runs(
+            target, drafter, native_drafter, ids, new_tokens, caches, sizes["repeats"], device
+        )
+        for label, error in errors.items():
+            report.check(f"greedy.{dtype_name}.{label}.ran", False, error.splitlines()[0])
+            result.setdefault("errors", {}).setdefault(dtype_name, {})[label] = error
+        result.setdefault("compiled_graphs_per_repeat", {})[dtype_name] = graphs
+        # the static drafts' decode step compiles once per cache kind, never again as the context grows
+        report.check(f"greedy.{dtype_name}.no_recompile_after_first_repeat", sum(graphs[1:]) == 0, graphs)
+        rows = {}
+        for label, runs_of_label in outputs.items():
+            diff = token_diff(runs_of_label[0], outputs["ar"][0])
+            row = {"diff_vs_ar": diff.diff_tokens, "first_diff": diff.first_diff, **stats_by_label[label]}
+            if diff.first_diff is not None and diff.first_diff < min(
+                len(runs_of_label[0]), len(outputs["ar"][0])
+            ):
+                with torch.inference_mode():
+                    row["target_margin_at_first_diff"] = divergence_margin(
+                        target, ids, outputs["ar"][0], runs_of_label[0], diff.first_diff
+                    )
+            rows[label] = row
+        result["runs"][dtype_name] = rows
+        if dtype == torch.float32:
+            for label, row in rows.items():
+                # fp32 on a GPU: a γ+1-token verify forward may round differently from a 1-token AR step, so a
+                # flip at a margin of ~1e-5 is noise; anything at a larger margin is a bug (CPU: always 0 diffs)
+                margin = row.get("target_margin_at_first_diff")
+                ok = row["diff_vs_ar"] == 0 or (margin is not None and abs(margin) <= FP32_MARGIN_TOLERANCE)
+                report.check(f"greedy.fp32.{label}", ok, row)
+        else:
+            pairs = [("native_vs_ar", "native", "ar")] + [
+                ("windowed_vs_native", label, "native") for label in caches
+            ]
+            pairs += [("windowed_vs_ar", label, "ar") for label in caches]
+            envelope = noise_envelope(outputs, pairs)
+            result["envelope"][dtype_name] = envelope
+            for label, row in rows.items():
+                margin = row.get("target_margin_at_first_diff")
+                # bf16: a divergence is numerical noise only at an argmax near-tie of the target's own logits
+                ok = row["diff_vs_ar"] == 0 or (margin is not None and abs(margin) <= report.margin_tolerance)
+                report.check(f"greedy.bf16.{label}", ok, row)
+        del target, drafter, native_drafter
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. draft-step cost
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Seconds per one-token step over `steps` steps from a fixed context (the cache is rolled back afterwards)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, forward, cache, context: int, steps: int) -> float:
+        token = torch.tensor([[7]], device=self.device)
+        synchronize(self.device)
+        began = time.perf_counter()
+        for i in range(steps):
+            position = torch.tensor([[context + i]], device=self.device)
+            forward(input_ids=token, cache=cache, position_ids=position, use_cache=True, logits_to_keep=1)
+        synchronize(self.device)
+        elapsed = time.perf_counter() - began
+        cache.crop(-steps)
+        return elapsed / steps
+
+
+def draft_step_cost(report: Report, device: torch.device, sizes: dict, smoke: bool) -> list[dict]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    steps, repeats = sizes["steps"], sizes["repeats"]
+    config = random_llama_config(sizes["layers"], max(sizes["contexts"]) + steps + 8)
+    config.hidden_size, config.intermediate_size = sizes["hidden"], int(sizes["hidden"] * 2.75)
+    config.num_attention_heads, config.num_key_value_heads = 16 if not smoke else 4, 4 if not smoke else 2
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    native = LlamaForCausalLM(config).to(device, dtype).eval()
+    windowed = copy.deepcopy(native)
+    windowed.set_attn_implementation(VARLEN)
+    compile_kwargs = (
+        dict(fullgraph=True, backend="eager") if smoke else dict(fullgraph=True, mode="reduce-overhead")
+    )
+    torch._dynamo.reset()
+    compiled_native = torch.compile(native.forward, **compile_kwargs)
+    compiled_windowed = torch.compile(windowed.forward, **compile_kwargs)
+    timer = StepTimer(device)
+    records = []
+    for context in sizes["contexts"]:
+        if report.time_left() < 60 and not smoke:
+            report.skip(f"draft_step_cost.{context}", "time budget")
+            continue
+        prompt = torch.randint(0, config.vocab_size, (1, context), device=device)
+
+        def static_window():
+            return SinkWindowCache(
+                windowed.config,
+                num_sink_tokens=sizes["sink"],
+                window_length=sizes["window"],
+                slack=steps,
+                static=True,
+            )
+
+        variants = {  # name -> (model to prefill with, step function, cache)
+            "native": (native, native.forward, DynamicCache(config=config)),
+            "sink_window": (
+                windowed,
+                windowed.forward,
+                SinkWindowCache(
+                    config, num_sink_tokens=sizes["sink"], window_length=sizes["window"], slack=steps
+                ),
+            ),
+            "sink_window_static": (windowed, windowed.forward, static_window()),
+        }
+        if report.time_left() > 150 or smoke:
+            variants["native_compiled"] = (
+                native,
+                compiled_native,
+                StaticCache(config, max_cache_len=context + steps),
+            )
+            variants["sink_window_static_compiled"] = (windowed, compiled_windowed, static_window())
+        else:
+            report.skip(f"draft_step_cost.{context}.compiled", "time budget")
+        times: dict[str, list[float]] = {}
+        failed = {}
+        with torch.inference_mode():
+            for name, (
+                model,
+                forward,
+                cache,
+            ) in variants.items():  # prefill (uncompiled), warm-up + compilation
+                try:
+                    model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+                    for _ in range(2 if "compiled" in name else 1):
+                        timer(forward, cache, context, steps)
+                except Exception as error:  # one broken variant must not hide the others' timings
+                    failed[name] = f"{error!r}\n{traceback.format_exc()}"
+                    report.check(f"draft_step_cost.{context}.{name}.ran", False, repr(error))
+            variants = {name: variant for name, variant in variants.items() if name not in failed}
+            for _ in range(repeats):  # interleaved repeats
+                for name, (_, forward, cache) in variants.items():
+                    times.setdefault(name, []).append(timer(forward, cache, context, steps))
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        record = {
+            "context": context,
+            "step_ms_median": {n: 1e3 * m for n, m in medians.items()},
+            "errors": failed,
+        }
+        for ratio, (numerator, denominator) in {
+            "ratio_native_over_sink_window_eager": ("native", "sink_window"),
+            "ratio_native_over_sink_window_static_eager": ("native", "sink_window_static"),
+            "ratio_native_over_sink_window_compiled": ("native_compiled", "sink_window_static_compiled"),
+        }.items():
+            if numerator in medians and denominator in medians:
+                record[ratio] = medians[numerator] / medians[denominator]
+        records.append(record)
+        print(
+            f"  context {context}: " + ", ".join(f"{n} {1e3 * m:.3f} ms" for n, m in medians.items()),
+            flush=True,
+        )
+        report.check(
+            f"draft_step_cost.{context}.measured",
+            all(math.isfinite(m) and m > 0 for m in medians.values()),
+            record,
+        )
+        del variants
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. one training step with sparse views
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _training_loss(
+    drafter, teacher_labels, prefix, continuation, spec: SparseViewSpec, budgets
+) -> torch.Tensor:
+    """BudgetDraft's L = L_A + λ·L_C (λ = 1), as `BudgetDraftTrainer.compute_loss` computes it."""
+    shared = run_shared_prefix(drafter, prefix, spec.query_window)
+    loss_full = hard_distillation_loss(
+        view_logits(drafter, continuation, full_cache(drafter.config, shared)), teacher_labels
+    )
+    views = [
+        hard_distillation_loss(
+            view_logits(drafter, continuation, spec.build(drafter.config, shared, budget)), teacher_labels
+        )
+        for budget in budgets
+    ]
+    return budgetdraft_loss(loss_full, views, sparse_loss_weight=1.0)
+
+
+def training_step(report: Report, device: torch.device, sizes: dict) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    prefix_length, continuation_length = sizes["prefix"], sizes["continuation"]
+    target, drafter = smoke_pair(seed=0, max_position_embeddings=prefix_length + continuation_length + 8)
+    target, drafter = target.to(device, dtype), drafter.to(device, dtype)
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 2048, (sizes["batch"], prefix_length + continuation_length), generator=generator)
+    ids = ids.to(device)
+    prefix, continuation = ids[:, :prefix_length], ids[:, prefix_length:]
+    with torch.no_grad():
+        labels = target(input_ids=ids, logits_to_keep=continuation_length).logits.argmax(dim=-1)  # (B, C)
+    specs = {
+        # window >= continuation: every view is a plain causal block -> the varlen kernel
+        "budgeted_chunk": SparseViewSpec(kind="budgeted", policy="chunk", window_length=continuation_length),
+        # the window slides during the block -> a windowed mask -> budgetdraft_sdpa's masked path
+        "sink_window": SparseViewSpec(kind="sink_window", num_sink_tokens=4),
+    }
+    result = {"dtype": str(dtype).removeprefix("torch."), "views": {}}
+    reference = copy.deepcopy(drafter).train()  # stock sdpa
+    student = drafter.train()
+    student.set_attn_implementation(VARLEN)
+    result["varlen_backend"] = varlen.resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    for name, spec in specs.items():
+        losses = {}
+        grads = {}
+        for label, model in (("budgetdraft_varlen", student), ("sdpa", reference)):
+            model.zero_grad(set_to_none=True)
+            loss = _training_loss(model, labels, prefix, continuation, spec, sizes["budgets"])
+            loss.backward()
+            losses[label] = float(loss.detach())
+            grads[label] = torch.cat(
+                [p.grad.float().reshape(-1) for p in model.parameters() if p.grad is not None]
+            )
+        grad_error = float((grads["budgetdraft_varlen"] - grads["sdpa"]).norm() / grads["sdpa"].norm())
+        row = {
+            "loss": losses,
+            "relative_grad_difference": grad_error,
+            "grad_norm": float(grads["budgetdraft_varlen"].norm()),
+        }
+        result["views"][name] = row
+        loss_gap = abs(losses["budgetdraft_varlen"] - losses["sdpa"]) / max(abs(losses["sdpa"]), 1e-6)
+        report.check(
+            f"training_step.{name}.matches_sdpa", loss_gap <= tolerance and grad_error <= 5 * tolerance, row
+        )
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    spec = specs["budgeted_chunk"]
+    optimizer.zero_grad(set_to_none=True)
+    before = _training_loss(student, labels, prefix, continuation, spec, sizes["budgets"])
+    before.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = _training_loss(student, labels, prefix, continuation, spec, sizes["budgets"])
+    result["optimizer_step"] = {"loss_before": before.item(), "loss_after": after.item()}
+    report.check("training_step.optimizer_step_finite", math.isfinite(float(after)), result["optimizer_step"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny sizes on CPU: exercises the logic, not the GPU"
+    )
+    parser.add_argument(
+        "--time-budget", type=float, default=420.0, help="seconds; late optional parts are skipped"
+    )
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="draft-step cost contexts (default 32768 131072)",
+    )
+    parser.add_argument(
+        "--margin-tolerance",
+        type=float,
+        default=0.25,
+        help="bf16: largest |target logit margin| at a first divergence still counted as an argmax near-tie",
+    )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["kernels", "greedy", "draft_step_cost", "training_step"],
+        choices=["kernels", "greedy", "draft_step_cost", "training_step"],
+    )
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        device, sizes = torch.device("cpu"), copy.deepcopy(SMOKE_SIZES)
+    else:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run on a GPU machine, or pass --cpu-smoke")
+        device, sizes = torch.device("cuda"), copy.deepcopy(GPU_SIZES)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy must be exact: no TF32 matmuls
+        torch.backends.cudnn.allow_tf32 = False
+    # every compiled path below compiles a handful of graphs per code object; never fail a check on dynamo's cap
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if args.contexts:
+        if max(args.contexts) > 262144 or min(args.contexts) < 16:
+            parser.error("--contexts must be in [16, 262144]")
+        sizes["cost"]["contexts"] = args.contexts
+    mode = "cpu-smoke" if args.cpu_smoke else "gpu"
+    report = Report(args.out / "gpu_check.json", mode, args.time_budget, args.margin_tolerance)
+    report.data["settings"] = {
+        "sizes": sizes,
+        "margin_tolerance": args.margin_tolerance,
+        "sections": args.sections,
+    }
+    report.data["environment"] = environment(report, device)
+    report.write()
+    smoke = args.cpu_smoke
+    plan = {
+        "kernels": (kernels, device, sizes["kernel"]),
+        "greedy": (greedy, device, sizes["greedy"], smoke),
+        "draft_step_cost": (draft_step_cost, device, sizes["cost"], smoke),
+        "training_step": (training_step, device, sizes["train"]),
+    }
+    for name in (
+        "kernels",
+        "greedy",
+        "training_step",
+        "draft_step_cost",
+    ):  # the cost section is the optional one
+        if name in args.sections:
+            report.section(name, *plan[name])
+    report.write()
+    print(
+        f"wrote {report.path} in {report.elapsed():.0f} s: all_passed={report.data['all_passed']}", flush=True
+    )
+    return 0 if report.data["all_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

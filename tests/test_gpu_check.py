@@ -1,0 +1,110 @@
+"""`scripts/gpu_check.py --cpu-smoke`: the GPU check's logic at tiny sizes on CPU, in well under 30 s.
+
+The GPU run itself cannot happen here; this proves the script runs end to end, writes the JSON the GPU run will
+write, and that its checks can fail (a failing section is recorded and turns the exit code to 1)."""
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fresh_dynamo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+def test_cpu_smoke_runs_every_section_and_passes(gpu_check, tmp_path, fresh_dynamo):
+    began = time.perf_counter()
+    code = gpu_check.main(["--out", str(tmp_path), "--cpu-smoke"])
+    seconds = time.perf_counter() - began
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    failed = {name: check for name, check in report["checks"].items() if not check["passed"]}
+    assert code == 0 and report["all_passed"] and not failed and not report["errors"], (
+        failed,
+        report["errors"],
+    )
+    assert seconds < 30, f"the CPU smoke run took {seconds:.1f} s"
+    assert report["mode"] == "cpu-smoke" and report["environment"]["varlen_backends"]["sdpa_packed"]
+
+    # 1. kernels: the packed SDPA kernel in fp32 and bf16, both key-set layouts, forward and backward
+    kernels = report["kernels"]
+    assert {(k["dtype"], k["key_sets"], k["q_length"]) for k in kernels} == {
+        (d, s, q) for d in ("float32", "bfloat16") for s in ("per_row", "per_kv_head") for q in (1, 4)
+    }
+    assert all(k["max_abs_error"] < 1e-5 for k in kernels if k["dtype"] == "float32")
+    assert {s["what"] for s in report["skipped"]} >= {"kernels.flash_attn", "kernels.torch_varlen"}
+
+    # 2. + 3. greedy equivalence on every draft path, fp32 and bf16, with the envelope rows
+    labels = {"ar", "native", "sink_window", "sink_window_static", "budgeted_static", "budgeted_snapkv"}
+    for dtype in ("float32", "bfloat16"):
+        runs = report["greedy"]["runs"][dtype]
+        assert set(runs) == labels
+        assert all(row["diff_vs_ar"] == 0 for row in runs.values())  # CPU: exact in both dtypes here
+        assert runs["sink_window_static"]["rounds"] > 0
+        assert report["greedy"]["compiled_graphs_per_repeat"][dtype][1:] == [0]  # no recompiles
+    kinds = {row["kind"] for row in report["greedy"]["envelope"]["bfloat16"]}
+    assert kinds == {"native_vs_ar", "windowed_vs_native", "windowed_vs_ar"}
+
+    # 4. draft-step cost: every variant timed at every context, ratios present
+    for record in report["draft_step_cost"]:
+        assert set(record["step_ms_median"]) == {
+            "native",
+            "sink_window",
+            "sink_window_static",
+            "native_compiled",
+            "sink_window_static_compiled",
+        }
+        assert record["ratio_native_over_sink_window_compiled"] > 0
+    assert [r["context"] for r in report["draft_step_cost"]] == [256, 512]
+
+    # 5. one training step: varlen views == sdpa views, and the step moved the loss
+    views = report["training_step"]["views"]
+    assert set(views) == {"budgeted_chunk", "sink_window"}
+    assert all(v["relative_grad_difference"] < 1e-4 for v in views.values())
+    step = report["training_step"]["optimizer_step"]
+    assert step["loss_after"] != step["loss_before"]
+
+
+def test_a_failing_section_is_recorded_and_fails_the_run(gpu_check, tmp_path):
+    report = gpu_check.Report(tmp_path / "gpu_check.json", "cpu-smoke", time_budget=60, margin_tolerance=0.25)
+
+    def broken(report):
+        raise RuntimeError("kernel exploded")
+
+    def fine(report):
+        report.check("fine.check", True)
+        return {"value": 1}
+
+    report.section("broken", broken)
+    report.section("fine", fine)
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert written["fine"] == {"value": 1} and not written["all_passed"]
+    assert written["errors"][0]["section"] == "broken" and "kernel exploded" in written["errors"][0]["error"]
+    assert written["checks"]["broken.ran"]["passed"] is False
+
+
+def test_refuses_to_run_without_cuda_unless_smoke(gpu_check, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--out", str(tmp_path)])
+    assert exit_info.value.code == 2

@@ -1,0 +1,364 @@
+"""The static draft caches (`cache_config={"static": True}`): fixed-shape decode steps that stay exact.
+
+- contract (hypothesis): over random update/crop sequences a static layer shows a query exactly the keys the
+  dynamic layer (`SinkWindowLayer`, `BudgetedLayer`) returns — bit for bit, recovered from the slot mask and the
+  slot positions — with the same attention output, `get_mask_sizes` agreeing with `update`, and the same crops
+  accepted and refused;
+- compile: the one-token decode step compiles with `torch.compile(fullgraph=True)` into one graph that is reused
+  at every context length (sink filling, ring wrapping, rollbacks), and computes the dynamic cache's logits;
+- generation: greedy speculative decoding with a static draft cache equals the target's greedy output and drafts
+  exactly what the dynamic cache drafts, also with transformers' own auto-compiled decode loop;
+- errors that teach: wrong attention implementation, a family that hides its attention kwargs, bad switches.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import model_pair, random_prompt, tiny_config
+from transformers import AutoModelForCausalLM, CompileConfig
+
+from hf_budgetdraft import BudgetedCache, SinkWindowCache, query_capture, record_speculation
+from hf_budgetdraft.attention.varlen import STATIC_LAYER_KWARG
+from hf_budgetdraft.cache import BudgetedLayer, SinkWindowLayer, get_policy
+from hf_budgetdraft.cache.static import StaticBudgetedLayer, StaticSinkWindowLayer
+
+HEADS, GROUPS, DIM, SLACK = 2, 2, 4, 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+operations = st.lists(
+    st.one_of(st.tuples(st.just("update"), st.integers(1, 9)), st.tuples(st.just("step"), st.integers(1, 6))),
+    max_size=14,
+).flatmap(
+    lambda ops: st.lists(st.integers(0, 9), min_size=len(ops), max_size=len(ops)).map(
+        lambda crops: [(kind, n, crop) for (kind, n), crop in zip(ops, crops, strict=True)]
+    )
+)
+
+
+def _kv(n, generator):
+    return (
+        torch.randn(1, HEADS, n, DIM, generator=generator),
+        torch.randn(1, HEADS, n, DIM, generator=generator),
+    )
+
+
+def _attend(query, keys, values, mask=None):
+    """`(1, H_kv * G, 1, D)` query over `(1, H_kv, K, D)` keys, KV heads repeated (the plain reference)."""
+    keys, values = keys.repeat_interleave(GROUPS, dim=1), values.repeat_interleave(GROUPS, dim=1)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+
+
+def _visible_in_position_order(layer, mask):
+    """The keys/values a static step shows, in the dynamic layer's order: the visible static slots by index (sink
+    slot j holds position j; kept slots hold the prefix selection in order), then the visible ring slots by the
+    position each holds. `(1, H, n, D)` each."""
+    mask = mask.reshape(-1)  # (S + W + slack,)
+    static_slots = mask[: layer.static_capacity].nonzero().squeeze(1)
+    ring_visible = mask[layer.static_capacity :].nonzero().squeeze(1)
+    ring_slots = ring_visible[layer.ring_positions[ring_visible].argsort()] + layer.static_capacity
+    slots = torch.cat([static_slots, ring_slots])
+    return layer.keys[:, :, slots], layer.values[:, :, slots]
+
+
+def run_pair(dynamic, static, prefill, ops, seed, queries_for=None):
+    """Drive a dynamic and a static layer through the same updates/steps/crops and compare what queries read."""
+    generator = torch.Generator().manual_seed(seed)
+    steps = 0
+    for index, (kind, n, crop) in enumerate([("update", prefill, 0), *ops]):
+        tokens = 1 if kind == "step" else n
+        for _ in range(n if kind == "step" else 1):
+            keys, values = _kv(tokens, generator)
+            sizes_dynamic, sizes_static = dynamic.get_mask_sizes(tokens), static.get_mask_sizes(tokens)
+            out_dynamic = dynamic.update(keys, values)
+            attention_kwargs = {}
+            out_static = static.update(keys, values, kwargs=attention_kwargs)
+            if queries_for is not None and index == 0:  # the prefill: hand both the same queries
+                queries = queries_for(prefill, generator)
+                dynamic.receive_queries(queries)
+                static.receive_queries(queries)
+            assert out_static[0].shape[2] == sizes_static[0], (
+                "get_mask_sizes disagrees with the keys returned"
+            )
+            assert out_dynamic[0].shape[2] == sizes_dynamic[0]
+            if STATIC_LAYER_KWARG in attention_kwargs:  # a fixed-shape step: the whole buffer + its slot mask
+                steps += 1
+                assert tokens == 1 and out_static[0].shape[2] == static.num_slots and sizes_static[1] == 0
+                assert attention_kwargs[STATIC_LAYER_KWARG] is static
+                mask = static.consume_key_mask()  # (1, 1, S + W + slack)
+                shown = _visible_in_position_order(static, mask)
+                for got, expected in zip(shown, out_dynamic, strict=True):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # bit for bit, same order
+                query = torch.randn(1, HEADS * GROUPS, 1, DIM, generator=generator)
+                torch.testing.assert_close(
+                    _attend(query, *out_static, mask[:, :, None, :]), _attend(query, *out_dynamic)
+                )
+            else:  # a block: the dynamic layout itself
+                assert sizes_static == sizes_dynamic
+                for got, expected in zip(out_static, out_dynamic, strict=True):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            assert int(static.get_seq_length()) == dynamic.get_seq_length()
+        refused = []
+        for layer in (dynamic, static):
+            try:
+                layer.crop(-crop)
+                refused.append(False)
+            except ValueError:
+                refused.append(True)
+        assert refused[0] == refused[1], f"dynamic refused={refused[0]}, static refused={refused[1]}"
+        assert int(static.get_seq_length()) == dynamic.get_seq_length()
+    return steps
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sink=st.integers(0, 5),
+    window=st.integers(1, 12),
+    prefill=st.integers(1, 40),
+    ops=operations,
+    seed=st.integers(0, 2**16),
+)
+def test_static_sink_window_layer_matches_dynamic(sink, window, prefill, ops, seed):
+    dynamic = SinkWindowLayer(num_sink_tokens=sink, window_length=window, slack=SLACK)
+    static = StaticSinkWindowLayer(num_sink_tokens=sink, window_length=window, slack=SLACK)
+    run_pair(dynamic, static, prefill, ops, seed)
+    assert static.nbytes() == 2 * HEADS * (sink + window + SLACK) * DIM * 4  # bounded, whatever the context
+
+
+@pytest.mark.parametrize(
+    "policy,kwargs,budget",
+    [
+        ("chunk", {"chunk_size": 4}, 12),
+        ("streaming", {"num_sink_tokens": 2}, 9),
+        ("snapkv", {"window_size": 3}, 10),
+    ],
+)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(window=st.integers(1, 12), prefill=st.integers(1, 40), ops=operations, seed=st.integers(0, 2**16))
+def test_static_budgeted_layer_matches_dynamic(policy, kwargs, budget, window, prefill, ops, seed):
+    keep = get_policy(policy, **kwargs)
+    dynamic = BudgetedLayer(keep, budget=budget, window_length=window, slack=SLACK, layer_idx=0)
+    static = StaticBudgetedLayer(keep, budget=budget, window_length=window, slack=SLACK, layer_idx=0)
+    queries = (
+        (lambda n, g: torch.randn(1, HEADS * GROUPS, n, DIM, generator=g)) if keep.needs_queries else None
+    )
+    run_pair(dynamic, static, prefill, ops, seed, queries_for=queries)
+    assert torch.equal(static.kept_positions, dynamic.kept_positions)
+
+
+def test_contract_exercises_sink_and_ring_steps_and_wraps():
+    """The sequence the hypothesis tests are built from, pinned: sink filling by steps, ring wrap, crops."""
+    dynamic = SinkWindowLayer(num_sink_tokens=3, window_length=4, slack=SLACK)
+    static = StaticSinkWindowLayer(num_sink_tokens=3, window_length=4, slack=SLACK)
+    ops = [("step", 5, 2), ("update", 7, 3), ("step", 6, 6), ("step", 6, 7), ("step", 1, 0)]
+    assert run_pair(dynamic, static, 1, ops, seed=0) == 1 + 5 + 6 + 6 + 1  # a 1-token prefill is a step too
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def graph_counter():
+    """A `torch.compile` backend that runs the captured graph eagerly and counts every (re)compilation.
+
+    A plain function, not an instance: generate deep-copies its compile config each round, and a copied backend
+    object would compare unequal and force a fresh `torch.compile`."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend, graphs
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compile caches are per code object and process-wide: start and leave each compile test clean."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "cache_class,kwargs",
+    [
+        (SinkWindowCache, {"num_sink_tokens": 4, "window_length": 8, "slack": 4}),
+        (
+            BudgetedCache,
+            {"budget": 12, "policy": "chunk", "policy_kwargs": {"chunk_size": 4}, "window_length": 8},
+        ),
+    ],
+    ids=["sink_window", "budgeted"],
+)
+def test_decode_step_compiles_fullgraph_once_and_matches_dynamic(cache_class, kwargs, fresh_dynamo):
+    _, drafter = model_pair("llama", "budgetdraft_varlen")
+    _, reference = model_pair("llama", "sdpa")
+    static = cache_class(drafter.config, static=True, **kwargs)
+    dynamic = cache_class(reference.config, **kwargs)
+    backend, graphs = graph_counter()
+    step = torch.compile(drafter.forward, backend=backend, fullgraph=True)
+    ids = random_prompt(70, seed=2)
+    prefill = 2 if cache_class is SinkWindowCache else 20  # sink: the first steps fill the sink slots
+    with torch.no_grad():
+        drafter(ids[:, :prefill], cache=static)
+        reference(ids[:, :prefill], cache=dynamic)
+        for t in range(prefill, 70):  # contexts 2 .. ~60: sink filling, ring wrapping (ring of 12 slots)
+            length = int(static.get_seq_length())
+            position = torch.tensor([[length]])
+            got = step(
+                input_ids=ids[:, t : t + 1], cache=static, position_ids=position, use_cache=True
+            ).logits
+            expected = reference(ids[:, t : t + 1], cache=dynamic, position_ids=position).logits
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            if t % 11 == 0:  # a rejected draft tail: roll both back
+                static.crop(-3)
+                dynamic.crop(-3)
+    assert len(graphs) == 1, f"the decode step recompiled: {len(graphs)} graphs"
+    assert static.layers[0].keys.shape[2] == static.layers[0].num_slots  # the buffer never grew
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------------------------
+
+PROMPT_LENGTH, NEW_TOKENS = 240, 48
+STATIC_CASES = {
+    "sink_window": ("sink_window", {"num_sink_tokens": 4, "window_length": 32, "slack": 8}),
+    "budgeted-chunk": ("budgeted", {"budget": 48, "policy": "chunk", "window_length": 16}),
+    "budgeted-snapkv": ("budgeted", {"budget": 48, "policy": "snapkv", "policy_kwargs": {"window_size": 8}}),
+}
+
+
+def _speculate(target, drafter, ids, implementation, cache_config):
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            cache_implementation=implementation,
+            cache_config=cache_config,
+        )
+    return out, stats.accepted_per_round
+
+
+@pytest.mark.parametrize("case", list(STATIC_CASES))
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_static_greedy_equals_target_and_drafts_like_dynamic(family, case):
+    reference_attention = "eager" if family == "gemma2" else "sdpa"  # gemma2: softcapping, sliding layers
+    target, dynamic_drafter = model_pair(family, reference_attention, num_assistant_tokens=3)
+    _, drafter = model_pair(family, "budgetdraft_varlen", num_assistant_tokens=3)
+    implementation, cache_config = STATIC_CASES[case]
+    ids = random_prompt(PROMPT_LENGTH)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    out, accepted = _speculate(target, drafter, ids, implementation, {**cache_config, "static": True})
+    _, dynamic_accepted = _speculate(target, dynamic_drafter, ids, implementation, cache_config)
+    assert torch.equal(out, expected), f"first diff at {(out != expected).nonzero()[:1].tolist()}"
+    assert accepted == dynamic_accepted  # the static draft proposed exactly the dynamic draft's tokens
+    assert 0 < sum(accepted) < 3 * len(accepted)  # some drafts accepted, some rejected: the check can fail
+
+
+def test_generate_auto_compiles_the_static_draft_once(fresh_dynamo):
+    """transformers' own decode loop compiles the draft's forward (fullgraph) for a static cache: one graph for a
+    whole speculative generation, and the output is still the target's."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=3)
+    drafter.set_attn_implementation("budgetdraft_varlen")
+    backend, graphs = graph_counter()
+    compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # compile on CPU too (CUDA compiles by default)
+    drafter.generation_config.compile_config = compile_config
+    ids = random_prompt(PROMPT_LENGTH, seed=1)
+    implementation, cache_config = STATIC_CASES["sink_window"]
+    out, accepted = _speculate(target, drafter, ids, implementation, {**cache_config, "static": True})
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
+    assert len(graphs) == 1 and len(accepted) > 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_static_needs_varlen_attention_at_construction_and_in_generate():
+    target, drafter = model_pair("llama", "sdpa")
+    with pytest.raises(ValueError, match="attn_implementation='budgetdraft_varlen'"):
+        SinkWindowCache(drafter.config, num_sink_tokens=4, window_length=8, static=True)
+    with pytest.raises(ValueError, match="attn_implementation='budgetdraft_varlen'"):
+        target.generate(
+            random_prompt(20),
+            assistant_model=drafter,
+            max_new_tokens=4,
+            cache_implementation="budgeted",
+            cache_config={"budget": 8, "policy": "streaming", "static": True},
+        )
+    with pytest.raises(TypeError, match="static must be a bool"):
+        BudgetedCache(drafter.config, budget=16, static="yes")
+
+
+def test_static_step_refuses_an_attention_that_ignored_its_slot_mask():
+    _, drafter = model_pair("llama", "budgetdraft_varlen")
+    cache = SinkWindowCache(drafter.config, num_sink_tokens=2, window_length=8, slack=4, static=True)
+    ids = random_prompt(20)
+    with torch.no_grad():
+        drafter(ids[:, :10], cache=cache)
+        drafter.set_attn_implementation("sdpa")  # switched after the cache was built
+        drafter(ids[:, 10:11], cache=cache)  # this step read stale slots ...
+        with pytest.raises(ValueError, match="never read by the attention function"):
+            drafter(ids[:, 11:12], cache=cache)  # ... and the next one says so
+
+
+def test_family_without_attention_kwargs_is_refused():
+    config = tiny_config("gpt_neox")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="budgetdraft_varlen").eval()
+    cache = SinkWindowCache(model.config, num_sink_tokens=2, window_length=8, static=True)
+    with torch.no_grad():
+        model(random_prompt(6), cache=cache)
+        with pytest.raises(ValueError, match="Use static=False"):
+            model(random_prompt(1), cache=cache)
+
+
+def test_static_crop_errors_teach():
+    layer = StaticSinkWindowLayer(num_sink_tokens=2, window_length=8, slack=4)
+    generator = torch.Generator().manual_seed(0)
+    layer.update(*_kv(40, generator))
+    layer.update(*_kv(4, generator))
+    with pytest.raises(ValueError, match="larger `slack`"):
+        layer.crop(-5)
+    assert int(layer.get_seq_length()) == 44
+    layer.crop(torch.tensor(-4))  # transformers' candidate generator passes a tensor for a static cache
+    assert int(layer.get_seq_length()) == 40
+    with pytest.raises(ValueError, match="negative count"):
+        layer.crop(3)
+    budgeted = StaticBudgetedLayer(get_policy("streaming"), budget=16, window_length=8, slack=4, layer_idx=0)
+    budgeted.update(*_kv(40, generator))
+    with pytest.raises(ValueError, match="compressed prefix"):
+        budgeted.crop(-1)
+
+
+def test_query_scored_static_budget_needs_capture():
+    _, drafter = model_pair("llama", "budgetdraft_varlen")
+    ids = random_prompt(60)
+    cache = BudgetedCache(
+        drafter.config, budget=16, policy="snapkv", policy_kwargs={"window_size": 4}, static=True
+    )
+    with torch.no_grad():
+        drafter(ids[:, :50], cache=cache)  # no capture: the policy never saw the queries
+        with pytest.raises(ValueError, match="query_capture"):
+            drafter(ids[:, 50:51], cache=cache)
+    captured = BudgetedCache(
+        drafter.config, budget=16, policy="snapkv", policy_kwargs={"window_size": 4}, static=True
+    )
+    with torch.no_grad(), query_capture(drafter):
+        drafter(ids[:, :50], cache=captured)
+    assert all(layer.num_kept == 16 for layer in captured.layers)
