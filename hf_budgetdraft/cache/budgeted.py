@@ -11,36 +11,22 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedConfig
 
-from ..attention.query_capture import cancel_request, request_queries
 from .base import SparseDraftCache, SparseDraftLayer, check_size
 from .policies import KeepPolicy, get_policy
+from .prefix_selection import PrefixSelection
 from .static import StaticBudgetedLayer, check_static_flag
 
 
-class BudgetedLayer(SparseDraftLayer):
+class BudgetedLayer(PrefixSelection, SparseDraftLayer):
     """Cache layer keeping a policy-selected prefix of at most `budget` tokens + a recent window."""
 
     def __init__(self, policy: KeepPolicy, budget: int, window_length: int, slack: int, layer_idx: int):
         super().__init__(window_length=window_length, slack=slack, static_capacity=budget)
-        self.policy, self.budget, self.layer_idx = policy, budget, layer_idx
-        self.prefix_length: int | None = None  # set by the prefill
-        self.num_kept = 0
-        self.kept_positions: torch.Tensor | None = None  # (B, H, num_kept) after the prefill
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
+        self._init_selection(policy, budget, layer_idx)
 
     def _num_static(self, length: int) -> int:
         self._check_not_pending()
         return self.num_kept
-
-    def _check_not_pending(self) -> None:
-        if self._pending is not None:
-            cancel_request(self)
-            self._pending = None
-            raise ValueError(
-                f"policy={self.policy.name!r} scores the prefix with the prefill queries, but the model's attention "
-                "did not hand them over. Run the model inside `hf_budgetdraft.query_capture(model)` (generate() "
-                "with cache_implementation='budgeted' does this for you), or use policy='chunk'/'streaming'."
-            )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -57,48 +43,20 @@ class BudgetedLayer(SparseDraftLayer):
         self.cumulative_length += key_states.shape[-2]
         return keys, values
 
-    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        length = key_states.shape[-2]
-        self.prefix_length = self.cumulative_length = length
+    def _start_after_prefill(self, length: int) -> None:
+        self.cumulative_length = length
         self.ring.restart(length)
-        if length > self.budget and self.policy.needs_queries:
-            self._pending = (key_states, value_states)
-            request_queries(self, self.layer_idx)
-        else:
-            self._compress(key_states, value_states, None)
 
-    def receive_queries(self, queries: torch.Tensor) -> None:
-        """Called by the capturing attention function with the prefill queries `(B, H_q, L, D)`."""
-        if self._pending is None:
-            return
-        keys, values = self._pending
-        self._pending = None
-        self._compress(keys, values, queries[:, :, -self.policy.query_window :])
-
-    def _compress(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
-        positions = self.policy.select(keys, self.budget, queries)  # (B, H, n)
-        self.num_kept = positions.shape[-1]
-        self.kept_positions = positions
-        index = positions[..., None]  # (B, H, n, 1)
-        self.static_keys[:, :, : self.num_kept] = keys.detach().gather(
-            2, index.expand(-1, -1, -1, keys.shape[-1])
-        )
-        self.static_values[:, :, : self.num_kept] = values.detach().gather(
-            2, index.expand(-1, -1, -1, values.shape[-1])
-        )
+    def _store_selection(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.static_keys[:, :, : keys.shape[-2]] = keys
+        self.static_values[:, :, : values.shape[-2]] = values
 
     def crop(self, tokens_to_remove: int) -> None:
-        new_length = self._check_crop(tokens_to_remove)
-        if self.prefix_length is not None and new_length < self.prefix_length:
-            raise ValueError(
-                f"crop({tokens_to_remove}) would cut into the compressed prefix (length {self.prefix_length}); "
-                "a budgeted cache can only roll back tokens added after its prefill"
-            )
-        self._set_length(new_length)
+        self._set_length(self._length_after_crop(tokens_to_remove))
 
     def reset(self) -> None:
         super().reset()
-        self.prefix_length, self.num_kept, self.kept_positions, self._pending = None, 0, None, None
+        self._reset_selection()
 
 
 class BudgetedCache(SparseDraftCache):

@@ -35,10 +35,10 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin
 
-from ..attention.query_capture import cancel_request, request_queries
 from ..attention.varlen import NAME as VARLEN_NAME
 from ..attention.varlen import STATIC_LAYER_KWARG
 from .policies import KeepPolicy
+from .prefix_selection import PrefixSelection
 
 
 def check_static_flag(static, config: PreTrainedConfig) -> None:
@@ -331,21 +331,17 @@ class StaticSinkWindowLayer(StaticDraftLayer):
         return min(self.num_sink_tokens, length)
 
 
-class StaticBudgetedLayer(StaticDraftLayer):
+class StaticBudgetedLayer(PrefixSelection, StaticDraftLayer):
     """Static `BudgetedLayer`: `budget` slots for the policy-selected prefix + a ring of `window_length + slack`.
 
     The prefill (first update) attends to the whole prompt and compresses it with `policy.select` — the same
-    selection as `BudgetedLayer` and the trainer's views; every later token goes to the ring.
+    `PrefixSelection` as `BudgetedLayer` and the trainer's views; every later token goes to the ring.
     """
 
     def __init__(self, policy: KeepPolicy, budget: int, window_length: int, slack: int, layer_idx: int):
         super().__init__(static_capacity=budget, window_length=window_length, slack=slack)
-        self.policy, self.budget, self.layer_idx = policy, budget, layer_idx
+        self._init_selection(policy, budget, layer_idx)
         self.prefilled = False
-        self.prefix_length: int | None = None
-        self.num_kept = 0
-        self.kept_positions: torch.Tensor | None = None  # (B, H, num_kept) after the prefill
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
 
     def _initial_ring_start(self) -> int:
         return 0
@@ -358,16 +354,6 @@ class StaticBudgetedLayer(StaticDraftLayer):
 
     def _num_static_visible(self, length: int) -> int:
         return self.num_kept
-
-    def _check_not_pending(self) -> None:
-        if self._pending is not None:
-            cancel_request(self)
-            self._pending = None
-            raise ValueError(
-                f"policy={self.policy.name!r} scores the prefix with the prefill queries, but the model's attention "
-                "did not hand them over. Run the model inside `hf_budgetdraft.query_capture(model)` (generate() "
-                "with cache_implementation='budgeted' does this for you), or use policy='chunk'/'streaming'."
-            )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -382,50 +368,24 @@ class StaticBudgetedLayer(StaticDraftLayer):
         self._check_not_pending()
         return super().update(key_states, value_states, *args, **kwargs)
 
-    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        length = key_states.shape[-2]
-        self.prefix_length, self.prefilled = length, True
+    def _start_after_prefill(self, length: int) -> None:
+        self.prefilled = True
         self.length.fill_(length)
         self.ring_start.fill_(length)
-        if length > self.budget and self.policy.needs_queries:
-            self._pending = (key_states, value_states)
-            request_queries(self, self.layer_idx)
-        else:
-            self._compress(key_states, value_states, None)
 
-    def receive_queries(self, queries: torch.Tensor) -> None:
-        """Called by the capturing attention function with the prefill queries `(B, H_q, L, D)`."""
-        if self._pending is None:
-            return
-        keys, values = self._pending
-        self._pending = None
-        self._compress(keys, values, queries[:, :, -self.policy.query_window :])
-
-    def _compress(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
-        positions = self.policy.select(keys, self.budget, queries)  # (B, H, n)
-        self.num_kept = positions.shape[-1]
-        self.num_static.fill_(self.num_kept)
-        self.kept_positions = positions
-        index = positions[..., None]  # (B, H, n, 1)
-        self.keys[:, :, : self.num_kept] = keys.detach().gather(2, index.expand(-1, -1, -1, keys.shape[-1]))
-        self.values[:, :, : self.num_kept] = values.detach().gather(
-            2, index.expand(-1, -1, -1, values.shape[-1])
-        )
+    def _store_selection(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.num_static.fill_(keys.shape[-2])
+        self.keys[:, :, : keys.shape[-2]] = keys
+        self.values[:, :, : values.shape[-2]] = values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         self._check_not_pending()
         return super().get_mask_sizes(query_length)
 
     def crop(self, tokens_to_remove) -> None:
-        new_length = self._check_crop(tokens_to_remove)
-        if self.prefix_length is not None and new_length < self.prefix_length:
-            raise ValueError(
-                f"crop({int(tokens_to_remove)}) would cut into the compressed prefix (length {self.prefix_length}); "
-                "a budgeted cache can only roll back tokens added after its prefill"
-            )
-        self._set_length(new_length)
+        self._set_length(self._length_after_crop(tokens_to_remove))
 
     def reset(self) -> None:
         super().reset()
-        self.prefilled, self.prefix_length, self.num_kept, self.kept_positions = False, None, 0, None
-        self._pending = None
+        self.prefilled = False
+        self._reset_selection()
