@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
 from hf_budgetdraft.eval.tasks import passkey_sample
 
 
-def target_config(tokenizer, max_position: int) -> Glm4MoeConfig:
+def target_config(tokenizer, max_position: int, qk_norm: bool = True) -> Glm4MoeConfig:
     layers = 8
     return Glm4MoeConfig(
         vocab_size=len(tokenizer),
@@ -44,7 +44,7 @@ def target_config(tokenizer, max_position: int) -> Glm4MoeConfig:
         head_dim=32,
         partial_rotary_factor=0.5,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        use_qk_norm=True,
+        use_qk_norm=qk_norm,
         max_position_embeddings=max_position,
         num_mtp_layers=1,
         tie_word_embeddings=False,
@@ -166,6 +166,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--no-qk-norm", action="store_true", help="no RMSNorm on q/k (it caps early attention sharpness)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -176,7 +179,8 @@ def main() -> None:
         model = Glm4MoeForCausalLM.from_pretrained(checkpoint, use_safetensors=True)
         state = torch.load(checkpoint / "state.pt", weights_only=False)
     else:
-        model, state = Glm4MoeForCausalLM(target_config(tokenizer, args.max_position)), None
+        model = Glm4MoeForCausalLM(target_config(tokenizer, args.max_position, qk_norm=not args.no_qk_norm))
+        state = None
     model.train()
     print(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
