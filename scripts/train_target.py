@@ -63,6 +63,16 @@ class Sampler:
         docs = [json.loads(line)["text"] for line in (corpus / "train.jsonl").read_text().splitlines()]
         eos = tokenizer.eos_token_id
         self.tokens = torch.tensor([t for d in docs for t in tokenizer(d).input_ids + [eos]])
+        # random-segment repeats draw from a growing alphabet: copy heads form within a few hundred steps over 16
+        # symbols but sit on a long plateau over all 2,048 (measured); digits come first, as the passkey needs them
+        digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+        others = [
+            t
+            for t in random.Random(seed).sample(range(2, len(tokenizer)), len(tokenizer) - 2)
+            if t not in digits
+        ]
+        self.copy_alphabet = digits + others
+        self.alphabet_size = len(self.copy_alphabet)
         print(f"corpus: {len(docs)} documents, {self.tokens.numel():,} tokens", flush=True)
 
     def _text(self, length: int) -> list[int]:
@@ -79,7 +89,8 @@ class Sampler:
             # a random-token segment repeated to the end: everything after its first occurrence is predictable
             # only by copying, so most of the sample's loss pushes towards induction heads
             span = self.rng.randint(16, 64)
-            segment = [self.rng.randrange(2, len(self.tokenizer)) for _ in range(span)]
+            alphabet = self.copy_alphabet[: self.alphabet_size]
+            segment = [self.rng.choice(alphabet) for _ in range(span)]
             prefix = self._text(self.rng.randrange(0, 64))
             ids = (prefix + segment * (total // span + 1))[:total]
             split = self.rng.randrange(len(prefix) + span, total)
@@ -127,6 +138,20 @@ def length_at(step: int) -> tuple[int, int]:
     return 2048, 2
 
 
+def alphabet_at(step: int, schedule: str) -> int:
+    """Alphabet size of the random repeats at `step`, from `"0:16,1500:128,3000:2048"` (from-step:size pairs)."""
+    size = None
+    for item in schedule.split(","):
+        start, value = (int(x) for x in item.split(":"))
+        if step >= start:
+            size = value
+    if size is None or size < 2:
+        raise ValueError(
+            f"--copy-alphabet {schedule!r} must start at step 0 with a size >= 2, e.g. '0:16,1500:2048'"
+        )
+    return size
+
+
 @torch.inference_mode()
 def passkey_accuracy(model, tokenizer, length: int, samples: int, seed: int = 1234) -> float:
     hits = 0
@@ -165,6 +190,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--copy-alphabet",
+        default="0:16,1500:128,3000:2048",
+        help="from-step:alphabet-size pairs for the random repeats (small alphabets first: faster copy heads)",
+    )
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
         "--no-qk-norm", action="store_true", help="no RMSNorm on q/k (it caps early attention sharpness)"
@@ -203,6 +233,7 @@ def main() -> None:
     started, tokens_seen = time.time(), 0
     while step < args.steps:
         length, batch = length_at(step)
+        sampler.alphabet_size = alphabet_at(step, args.copy_alphabet)
         rows = [sampler.sample(length) for _ in range(batch)]
         ids = torch.tensor([r[0] for r in rows])
         positions = torch.tensor([r[1] for r in rows])
