@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
-from transformers.utils import logging as hf_logging
 
 from .. import demo as demo_package
 from ..cache.base import cache_nbytes
 from ..cache.policies import POLICIES
+from ..eval.bench import quiet_transformers
 from ..eval.greedy_diff import divergence_margin, token_diff
 from ..eval.metrics import acceptance_intervals
 from ..eval.runners import DEFAULT_SLACK
@@ -398,7 +398,7 @@ class ModelStore:
                 if model == MODEL_LOCAL:  # one local pair at a time: a new one replaces the old
                     for old in [k for k in self._pairs if k.startswith("local:")]:
                         del self._pairs[old]
-                with _quiet_transformers():
+                with quiet_transformers():
                     self._pairs[key] = self._load(model, target_path, drafter_path, key)
             return self._pairs[key]
 
@@ -634,20 +634,6 @@ class RunProgress:
         return rest / duration if rest > 0 and duration > 0 else math.nan
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """No per-call warnings or "Loading weights" bars (an MTP head is reloaded inside every generate())."""
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 _GENERATE_LOCK = threading.Lock()  # one generate() at a time in this process, whatever the web server does
 
 
@@ -686,7 +672,7 @@ def stream_generate(
                 events.put(("start", start))
                 torch.manual_seed(seed)
                 stopping = StoppingCriteriaList([_StopWhen((cancel, closed), start + max_seconds)])
-                with torch.inference_mode(), _quiet_transformers(), record_speculation() as stats:
+                with torch.inference_mode(), quiet_transformers(), record_speculation() as stats:
                     output = model.generate(
                         input_ids,
                         streamer=_QueueStreamer(events),

@@ -624,7 +624,7 @@ def envelope_rows(
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """No per-call "Loading weights" bars or load reports (MTP heads are reloaded inside every generate)."""
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
@@ -673,7 +673,7 @@ def run_bench(args: BenchArguments, models: BenchModels | None = None) -> BenchR
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
-        with _quiet_transformers(), tempfile.TemporaryDirectory(prefix="budgetdraft-bench-") as scratch:
+        with quiet_transformers(), tempfile.TemporaryDirectory(prefix="budgetdraft-bench-") as scratch:
             if models is None:
                 models = load_models(args, mtp_dir=scratch)
             documents, corpus = load_corpus(args)
