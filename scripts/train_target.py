@@ -30,9 +30,19 @@ from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
 
 from hf_budgetdraft.eval.tasks import passkey_sample
 
+# GLM-4's MTP layer is an MoE layer (transformers' MTP config sets first_k_dense_replace=0): a small one here
+# (~1M parameters with its attention and projection) instead of the 128 x 1408 default (175M); the main layers are
+# dense and never read these
+MTP_MOE = {
+    "n_routed_experts": 2,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 192,
+    "n_shared_experts": 1,
+}
+
 
 def target_config(tokenizer, max_position: int, qk_norm: bool = True) -> Glm4MoeConfig:
-    layers = 8
+    layers = 7  # 9.9M parameters: target + MTP layer + drafters fit the 25 MB bundle in bf16
     return Glm4MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=320,
@@ -47,6 +57,7 @@ def target_config(tokenizer, max_position: int, qk_norm: bool = True) -> Glm4Moe
         use_qk_norm=qk_norm,
         max_position_embeddings=max_position,
         num_mtp_layers=1,
+        **MTP_MOE,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -79,18 +90,22 @@ class Sampler:
         start = self.rng.randrange(0, self.tokens.numel() - length)
         return self.tokens[start : start + length].tolist()
 
-    def sample(self, length: int) -> tuple[list[int], list[int]]:
-        """Returns `(token_ids, position_ids)` of `length + 1` tokens (inputs + the last label)."""
-        kind = self.rng.choices(["text", "passkey", "copy", "repeat"], weights=[0.3, 0.3, 0.1, 0.3])[0]
+    KINDS = ("text", "passkey", "copy", "repeat")
+
+    def sample(self, length: int, weights: list[float]) -> tuple[str, list[int], list[int]]:
+        """Returns `(kind, token_ids, position_ids)` with `length + 1` tokens (inputs + the last label)."""
+        kind = self.rng.choices(self.KINDS, weights=weights)[0]
         total = length + 1
         if kind == "text":
             ids, split = self._text(total), self.rng.randrange(1, total)
         elif kind == "repeat":
             # a random-token segment repeated to the end: everything after its first occurrence is predictable
             # only by copying, so most of the sample's loss pushes towards induction heads
-            span = self.rng.randint(16, 64)
+            # distinct tokens within a segment: the previous token alone says where to copy from (a one-token
+            # induction match); with repeats inside the segment a longer match is needed and the plateau is longer
             alphabet = self.copy_alphabet[: self.alphabet_size]
-            segment = [self.rng.choice(alphabet) for _ in range(span)]
+            span = self.rng.randint(min(8, len(alphabet)), min(48, len(alphabet)))
+            segment = self.rng.sample(alphabet, span)
             prefix = self._text(self.rng.randrange(0, 64))
             ids = (prefix + segment * (total // span + 1))[:total]
             split = self.rng.randrange(len(prefix) + span, total)
@@ -117,7 +132,7 @@ class Sampler:
         if self.rng.random() < 0.6:  # PoSE: shift the second part by a random skip
             skip = self.rng.randrange(0, self.max_position - total)
             positions = positions[:split] + [p + skip for p in positions[split:]]
-        return ids, positions
+        return kind, ids, positions
 
 
 def lr_at(step: int, args) -> float:
@@ -127,29 +142,41 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def length_at(step: int) -> tuple[int, int]:
-    """(sequence length, batch size): short first so copying is learned cheaply, then longer."""
-    if step < 1500:
+def length_at(step: int, steps: int) -> tuple[int, int]:
+    """(sequence length, batch size) at `step` of `steps`: short first so copying is learned cheaply, then longer;
+    always 4,096 tokens per step."""
+    if step < 0.4 * steps:
         return 256, 16
-    if step < 3500:
+    if step < 0.75 * steps:
         return 512, 8
-    if step < 6000:
-        return 1024, 4
-    return 2048, 2
+    return 1024, 4
+
+
+def scheduled(step: int, schedule: str, name: str) -> str:
+    """The value in force at `step` of a `"from-step:value,from-step:value"` schedule (e.g. `"0:32,400:2048"`)."""
+    value = None
+    for item in schedule.split(","):
+        start, _, current = item.partition(":")
+        if step >= int(start):
+            value = current
+    if value is None:
+        raise ValueError(f"{name} {schedule!r} must have an entry for step 0, e.g. '0:32,400:2048'")
+    return value
 
 
 def alphabet_at(step: int, schedule: str) -> int:
-    """Alphabet size of the random repeats at `step`, from `"0:16,1500:128,3000:2048"` (from-step:size pairs)."""
-    size = None
-    for item in schedule.split(","):
-        start, value = (int(x) for x in item.split(":"))
-        if step >= start:
-            size = value
-    if size is None or size < 2:
-        raise ValueError(
-            f"--copy-alphabet {schedule!r} must start at step 0 with a size >= 2, e.g. '0:16,1500:2048'"
-        )
+    size = int(scheduled(step, schedule, "--copy-alphabet"))
+    if size < 8:
+        raise ValueError(f"--copy-alphabet sizes must be >= 8 (segments hold distinct tokens), got {size}")
     return size
+
+
+def mix_at(step: int, schedule: str) -> list[float]:
+    """Sampling weights of Sampler.KINDS at `step`, from e.g. `"0:2/2/1/5,800:3/3/1/3"` (text/passkey/copy/repeat)."""
+    weights = [float(w) for w in scheduled(step, schedule, "--mix").split("/")]
+    if len(weights) != len(Sampler.KINDS) or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"--mix weights are {'/'.join(Sampler.KINDS)}, non-negative, got {schedule!r}")
+    return weights
 
 
 @torch.inference_mode()
@@ -182,7 +209,7 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     parser.add_argument("--tokenizer", type=Path, default=Path("hf_budgetdraft/demo/tokenizer"))
     parser.add_argument("--out", type=Path, default=Path("runs/target"))
-    parser.add_argument("--steps", type=int, default=12000)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--max-position", type=int, default=20480)
@@ -192,8 +219,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--copy-alphabet",
-        default="0:16,1500:128,3000:2048",
+        default="0:32,600:256,1500:2048",
         help="from-step:alphabet-size pairs for the random repeats (small alphabets first: faster copy heads)",
+    )
+    parser.add_argument(
+        "--mix",
+        default="0:2/2/1/5,1500:3/3/1/3",
+        help="from-step:weights of the sample kinds text/passkey/copy/repeat (copy-heavy first)",
     )
     parser.add_argument("--resume", action="store_true")
     parser.add_argument(
@@ -230,13 +262,15 @@ def main() -> None:
         print(f"resumed at step {step}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    started, tokens_seen = time.time(), 0
+    started, tokens_seen, kind_losses = time.time(), 0, {}
     while step < args.steps:
-        length, batch = length_at(step)
+        length, batch = length_at(step, args.steps)
         sampler.alphabet_size = alphabet_at(step, args.copy_alphabet)
-        rows = [sampler.sample(length) for _ in range(batch)]
-        ids = torch.tensor([r[0] for r in rows])
-        positions = torch.tensor([r[1] for r in rows])
+        weights = mix_at(step, args.mix)
+        kinds, rows, row_positions = zip(
+            *(sampler.sample(length, weights) for _ in range(batch)), strict=True
+        )
+        ids, positions = torch.tensor(rows), torch.tensor(row_positions)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -245,8 +279,13 @@ def main() -> None:
                 position_ids=positions[:, :-1],
                 attention_mask=torch.ones_like(ids[:, :-1]),
             ).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        token_losses = torch.nn.functional.cross_entropy(
+            logits.float().transpose(1, 2), ids[:, 1:], reduction="none"
+        )  # (batch, length)
+        loss = token_losses.mean()
         loss.backward()
+        for kind, row_loss in zip(kinds, token_losses.detach().mean(1).tolist(), strict=True):
+            kind_losses.setdefault(kind, []).append(row_loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -255,6 +294,8 @@ def main() -> None:
         record = {"step": step, "loss": round(loss.item(), 4), "length": length, "lr": lr_at(step - 1, args)}
         if step % 20 == 0:
             record["tokens_per_second"] = round(tokens_seen / (time.time() - started))
+            record.update({f"loss_{k}": round(sum(v) / len(v), 3) for k, v in sorted(kind_losses.items())})
+            kind_losses = {}
             print(json.dumps(record), flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
