@@ -1,6 +1,6 @@
 """Distil the demo target's two conventional draft models at once, from one frozen-target forward per batch:
 
-- the base drafter: a small Llama (~1.5M parameters, same tokenizer) reading a full cache, trained on KL to the
+- the base drafter: a small Llama (~1.25M parameters, tied embeddings, same tokenizer) reading a full cache, trained on KL to the
   target's next-token distribution at every position;
 - the target's own MTP head (one GLM-4 MTP layer: `enorm`/`hnorm`/`eh_proj` + a decoder block, sharing the
   target's embeddings and LM head): from the target's last hidden state at t and the embedding of token t+1 it
@@ -29,7 +29,7 @@ from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaConfig, LlamaFo
 
 from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
-TRAINING_MIX = [4, 2, 1, 3]  # text / passkey / copy / repeat (Sampler.KINDS)
+TRAINING_MIX = [4, 2, 1, 2, 1]  # text / passkey / copy / repeat / loop (Sampler.KINDS)
 
 
 def drafter_config(tokenizer, max_position: int) -> LlamaConfig:
@@ -42,7 +42,7 @@ def drafter_config(tokenizer, max_position: int) -> LlamaConfig:
         num_key_value_heads=2,
         max_position_embeddings=max_position,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,  # 1.25M parameters: the whole demo bundle stays under 25 MB
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

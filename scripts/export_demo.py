@@ -1,0 +1,134 @@
+"""Bundle the trained demo models into `hf_budgetdraft/demo/` (bfloat16 safetensors), measure them as bundled and
+write each folder's model card.
+
+    python scripts/export_demo.py --target runs/drafts/target_with_mtp --base-drafter runs/drafts/drafter \
+        --adapter runs/budgetdraft/lora_adapter --commands scripts/demo_commands.json --threads 2
+
+Measured on the bundled (bf16-stored, fp32-loaded) weights: passkey retrieval at several lengths with the needle at
+random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-split perplexity at 2K and 16K
+context over the same tokens, and each drafter's top-1 agreement with the target on eval text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from train_target import passkey_accuracy
+
+from hf_budgetdraft.demo import load_demo_models
+from hf_budgetdraft.demo.models import DEMO_DIR
+
+CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+
+
+def export_folder(source: Path, name: str) -> Path:
+    """Copy `source`'s configs and its safetensors weights, cast to bfloat16, into `DEMO_DIR/name`."""
+    dest = DEMO_DIR / name
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    weights = sorted(source.glob("*.safetensors"))
+    if len(weights) != 1:
+        raise ValueError(f"expected one .safetensors file in {source}, found {[w.name for w in weights]}")
+    for config in CONFIG_FILES:
+        if (source / config).exists():
+            shutil.copy(source / config, dest / config)
+    state = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(weights[0]).items()
+    }
+    save_file(state, dest / weights[0].name, metadata={"format": "pt"})
+    return dest
+
+
+def eval_ids(tokenizer, corpus: Path, tokens: int) -> torch.LongTensor:
+    text = "".join(json.loads(line)["text"] for line in (corpus / "eval.jsonl").read_text().splitlines())
+    ids = tokenizer(text[: tokens * 8]).input_ids
+    if len(ids) < tokens:
+        raise ValueError(f"the eval split has {len(ids)} tokens, fewer than {tokens}")
+    return torch.tensor(ids[:tokens])
+
+
+@torch.inference_mode()
+def perplexity(model, ids: torch.LongTensor, context: int) -> float:
+    """Mean next-token perplexity over `ids`, cut into windows of `context` tokens."""
+    nll, count = 0.0, 0
+    for start in range(0, ids.numel() - 1, context):
+        window = ids[start : start + context + 1][None]
+        logits = model(window[:, :-1]).logits
+        nll += torch.nn.functional.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
+        count += window.shape[1] - 1
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def top1_agreement(drafter, target, ids: torch.LongTensor) -> float:
+    return (drafter(ids[None]).logits.argmax(-1) == target(ids[None]).logits.argmax(-1)).float().mean().item()
+
+
+def card(title: str, body: str, metrics: dict) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in metrics.items())
+    return f"# {title}\n\n{body.strip()}\n\n## Measured (bundled bf16 weights, loaded in fp32, CPU)\n\n| metric | value |\n|---|---|\n{rows}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", type=Path, required=True, help="target folder with its MTP layer")
+    parser.add_argument("--base-drafter", type=Path, required=True)
+    parser.add_argument("--adapter", type=Path, required=True, help="the BudgetDraft LoRA adapter folder")
+    parser.add_argument(
+        "--commands", type=Path, required=True, help="JSON: per model, its training commands/time"
+    )
+    parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
+    parser.add_argument("--passkey-lengths", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--passkey-samples", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    export_folder(args.target, "target")
+    export_folder(args.base_drafter, "base_drafter")
+    export_folder(args.adapter, "drafter")
+    demo = load_demo_models()
+    started = time.time()
+    metrics = {"target": {}, "base_drafter": {}, "drafter": {}}
+    for length in (int(x) for x in args.passkey_lengths.split(",")):
+        accuracy = passkey_accuracy(demo.target, demo.tokenizer, length, args.passkey_samples, seed=10_000)
+        metrics["target"][f"passkey @{length} ({args.passkey_samples} keys, random depth)"] = (
+            f"{accuracy:.0%}"
+        )
+        print(f"passkey @{length}: {accuracy:.0%}", flush=True)
+    ids = eval_ids(demo.tokenizer, args.corpus, 16384)
+    for context in (2048, 16384):
+        ppl = perplexity(demo.target, ids, context)
+        metrics["target"][f"eval perplexity, {context}-token windows (same 16,384 tokens)"] = f"{ppl:.2f}"
+        print(f"perplexity @{context}: {ppl:.2f}", flush=True)
+    for name in ("base_drafter", "drafter"):
+        agreement = top1_agreement(getattr(demo, name), demo.target, ids[:2048])
+        metrics[name]["top-1 agreement with the target, 2,048 eval tokens, full cache"] = f"{agreement:.1%}"
+    parameters = {
+        "target": sum(p.numel() for p in demo.target.parameters()),
+        "base_drafter": sum(p.numel() for p in demo.base_drafter.parameters()),
+        "drafter": sum(p.numel() for p in demo.drafter.parameters()),
+    }
+    commands = json.loads(args.commands.read_text())
+    for name, info in commands.items():
+        metrics[name]["parameters"] = f"{parameters[name] / 1e6:.2f}M"
+        metrics[name]["training time (2-core CPU)"] = info["training_time"]
+        body = info["description"] + "\n\n## Reproduce\n\n```bash\n" + "\n".join(info["commands"]) + "\n```\n"
+        (DEMO_DIR / name / "README.md").write_text(card(info["title"], body, metrics[name]))
+    total = sum(f.stat().st_size for f in DEMO_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+    print(f"bundle: {total / 1e6:.1f} MB; measured in {time.time() - started:.0f} s")
+    print(json.dumps(metrics, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The bundled demo models (`hf_budgetdraft.demo.load_demo_models`): offline load, size, model cards, the target's
+held-out perplexity, and speculative greedy output token-identical to the target's own — base drafter on a
+full cache, BudgetDraft drafter on sparse caches, and the target's MTP head native and windowed."""
+
+import math
+
+import pytest
+import torch
+
+import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
+from hf_budgetdraft.demo import load_demo_models
+from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.demo.models import DEMO_DIR
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return load_demo_models()
+
+
+def test_bundle_is_complete_small_and_documented():
+    files = [f for f in DEMO_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    assert sum(f.stat().st_size for f in files) <= 25 * 1024**2
+    for name in ("target", "base_drafter", "drafter"):
+        card = (DEMO_DIR / name / "README.md").read_text()
+        assert "## Reproduce" in card and "python " in card and "training time" in card
+
+
+def test_load_demo_models_offline(demo):
+    assert demo.target.config.model_type == "glm4_moe" and demo.target.config.num_mtp_layers == 1
+    assert demo.base_drafter.config.vocab_size == demo.target.config.vocab_size == len(demo.tokenizer)
+    assert 1e6 <= sum(p.numel() for p in demo.base_drafter.parameters()) <= 3e6
+    assert not hasattr(demo.drafter, "peft_config")  # merged into a plain model
+    # the BudgetDraft adapter changed the drafter
+    base, trained = demo.base_drafter.state_dict(), demo.drafter.state_dict()
+    assert any(not torch.equal(base[k], trained[k]) for k in base)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_demo_models(dtype="int4")
+
+
+def test_target_models_held_out_text(demo):
+    """The bundled target has learned English verse: on the held-out play its next-token perplexity is far below
+    a uniform guess over the 2,048-token vocabulary (measured: see the target's model card). It does not retrieve
+    passkeys (issue 4 leaves that goal open), so there is no passkey check here."""
+    ids = demo.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, 2000:3024]
+    with torch.inference_mode():
+        loss = demo.target(ids, labels=ids).loss.item()
+    assert math.exp(loss) < 150
+
+
+@pytest.mark.parametrize(
+    "drafter_name, cache, cache_config",
+    [
+        ("base_drafter", None, None),
+        ("drafter", "budgeted", {"budget": 256, "window_length": 64, "policy": "chunk"}),
+        ("drafter", "sink_window", {"num_sink_tokens": 16, "window_length": 128}),
+        ("mtp", None, None),
+        ("mtp", "sink_window", {"num_sink_tokens": 16, "window_length": 128}),
+    ],
+)
+def test_speculative_output_equals_target_greedy(demo, drafter_name, cache, cache_config):
+    ids = demo.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, 5000:6500]
+    expected = demo.target.generate(ids, max_new_tokens=40, do_sample=False)
+    kwargs = {"cache_implementation": cache, "cache_config": cache_config} if cache else {}
+    if drafter_name == "mtp":
+        kwargs["use_mtp"] = True
+    else:
+        kwargs["assistant_model"] = getattr(demo, drafter_name)
+    out = demo.target.generate(ids, max_new_tokens=40, do_sample=False, **kwargs)
+    assert torch.equal(out, expected)
