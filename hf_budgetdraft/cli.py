@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from . import record_speculation
 from .app import AppArguments, demo_command
 from .cache.base import MAX_CACHE_TOKENS
+from .demo.models import DEMO_DIR
 from .eval.bench import BenchArguments, bench_command
 from .random_models import random_pair
 from .trainer.config import BudgetDraftConfig
@@ -31,6 +32,13 @@ class GenerateArguments:
         default=False,
         metadata={
             "help": "Use a small random Llama pair (no weights needed): checks the machinery, not quality."
+        },
+    )
+    demo_models: bool = field(
+        default=False,
+        metadata={
+            "help": "Use the bundled demo target and BudgetDraft drafter; without --prompt/--prompt_file the "
+            "prompt is the start of the bundled held-out play (Shakespeare's King John)."
         },
     )
     prompt: str | None = field(
@@ -63,8 +71,11 @@ class GenerateArguments:
             raise ValueError(f"--max_new_tokens must be in [1, 4096], got {self.max_new_tokens}")
         if not 1 <= self.gamma <= 64:
             raise ValueError(f"--gamma must be in [1, 64], got {self.gamma}")
-        if self.random_models == bool(self.target and self.drafter):
-            raise ValueError("pass either --random_models or both --target and --drafter")
+        if self.random_models + self.demo_models + bool(self.target and self.drafter) != 1:
+            raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
+
+
+DEMO_TEXT = DEMO_DIR / "king_john.txt"  # held out from the demo models' training data
 
 
 def _load_pair(args: GenerateArguments):
@@ -80,6 +91,8 @@ def _prompt_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> torch.Lo
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as handle:
             text = handle.read()
+    if text is None and args.demo_models:
+        text = DEMO_TEXT.read_text(encoding="utf-8")
     if text is None:
         generator = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, vocab_size, (1, args.context_length), generator=generator)
@@ -93,6 +106,11 @@ def generate_command(args: GenerateArguments) -> int:
     if args.random_models:
         target, drafter = random_pair(args.seed, args.context_length + args.max_new_tokens + 1)
         tokenizer = None
+    elif args.demo_models:
+        from .demo import load_demo_models
+
+        demo = load_demo_models()
+        target, drafter, tokenizer = demo.target, demo.drafter, demo.tokenizer
     else:
         target, drafter, tokenizer = _load_pair(args)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)

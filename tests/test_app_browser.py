@@ -1,5 +1,5 @@
 """The demo page in a real browser: headless Chromium (Debian's `chromium`, driven by Playwright with
-`executable_path`; no browser download) loads the page, runs one short generation on the smoke pair, checks that
+`executable_path`; no browser download) loads the page, runs one short generation on the bundled demo models, checks that
 both outputs, the verdict, the stats and the plot appear, and saves a screenshot.
 
 Set `HF_BUDGETDRAFT_SCREENSHOT=docs/app.png` to also write the README's screenshot.
@@ -69,7 +69,7 @@ def page(url):
 def test_one_generation_in_the_browser(page, tmp_path):
     expect = sync_api.expect
     expect(page.get_by_role("heading", name="hf-budgetdraft")).to_be_visible()
-    expect(page.get_by_role("combobox", name="Models")).to_have_value(re.compile("RANDOM weights"))
+    expect(page.get_by_role("combobox", name="Models")).to_have_value(re.compile("Bundled demo pair"))
     new_tokens = 64
     for box, value in (("#context-length", 4096), ("#max-new-tokens", new_tokens)):
         number = page.locator(f"{box} input[type=number]")

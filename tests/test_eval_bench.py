@@ -237,17 +237,6 @@ def test_corrupting_the_draft_cache_keeps_the_output_and_lowers_acceptance(tmp_p
         assert acceptance(broken, name) < 0.6 * acceptance(clean, name), name
 
 
-def test_demo_preset_says_the_bundled_models_are_missing(tmp_path, capsys):
-    try:
-        from hf_budgetdraft.demo import load_demo_models  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("the bundled demo models exist in this version")
-    assert main(["bench", "--preset", "demo", "--output-dir", str(tmp_path)]) == 2
-    assert "bundled demo models, which are not available yet" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "flags,message",
     [

@@ -30,11 +30,12 @@ from transformers.generation.streamers import BaseStreamer
 from .. import demo as demo_package
 from ..cache.base import cache_nbytes
 from ..cache.policies import POLICIES
+from ..demo.documents import demo_documents
 from ..eval.bench import quiet_transformers
 from ..eval.greedy_diff import divergence_margin, token_diff
 from ..eval.metrics import acceptance_intervals
 from ..eval.runners import DEFAULT_SLACK
-from ..eval.tasks import Document, build_sample, load_documents, stdlib_documents
+from ..eval.tasks import Document, build_sample
 from ..generation.mtp import expose_mtp_layers
 from ..generation.stats import SpeculationStats, record_speculation
 from ..random_models import smoke_mtp_model, smoke_pair
@@ -43,12 +44,6 @@ from .config import AppArguments
 logger = logging.getLogger(__name__)
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
-# the demo corpus written by scripts/prepare_corpus.py (not shipped in the wheel): looked up in the working
-# directory, then in the source checkout; without it the built-in documents come from the Python standard library
-DEMO_CORPUS_CANDIDATES = (
-    Path("data/corpus/eval.jsonl"),
-    Path(__file__).resolve().parents[2] / "data" / "corpus" / "eval.jsonl",
-)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Choices shown in the page (value -> label)
@@ -484,18 +479,11 @@ _documents_lock = threading.Lock()
 
 
 def builtin_documents() -> tuple[list[Document], str]:
-    """The built-in corpus and its name: the demo corpus when present, else prose and code of the Python stdlib."""
+    """The built-in corpus and its name (`hf_budgetdraft.demo.documents.demo_documents`), read once."""
     global _documents
     with _documents_lock:
         if _documents is None:
-            corpus = next((p for p in DEMO_CORPUS_CANDIDATES if p.is_file()), None)
-            if corpus is not None:
-                _documents = load_documents([corpus]), f"the demo corpus ({corpus.name})"
-            else:
-                _documents = (
-                    stdlib_documents(),
-                    "the Python standard library (pydoc topics and stdlib sources)",
-                )
+            _documents = demo_documents()
         return _documents
 
 

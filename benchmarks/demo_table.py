@@ -1,0 +1,72 @@
+"""The README's demo table from a `hf-budgetdraft bench --preset demo` run: per context length, per drafter and
+draft cache, per budget: mean accepted length, greedy diff vs the target (tokens), and decode speed-up vs plain AR.
+
+    python benchmarks/demo_table.py bench-out/demo/results.json > benchmarks/results/demo_table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROWS = (  # (label, target, drafter, method)
+    ("base drafter", "target", "base_drafter", "assisted"),
+    ("BudgetDraft drafter", "target", "drafter", "assisted"),
+    ("target's MTP head", "mtp", None, "mtp"),
+)
+
+
+def cell(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    speedup = row.get("decode_speedup_vs_ar")
+    return (
+        f"{row['mean_accepted_length']:.2f} · {row['diff_tokens_max']} · {speedup:.2f}×"
+        if speedup is not None
+        else f"{row['mean_accepted_length']:.2f} · {row['diff_tokens_max']} · n/a"
+    )
+
+
+def find(summary: list[dict], key: dict, cache: str, budget: int | None) -> dict | None:
+    wanted = {**key, "cache": cache, "budget": budget}
+    return next((r for r in summary if all(r[k] == v for k, v in wanted.items())), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("results", type=Path)
+    args = parser.parse_args()
+    payload = json.loads(args.results.read_text())
+    summary = [r for r in payload["summary"] if r["task"] == "all"]
+    budgets = sorted({r["budget"] for r in summary if r["budget"] is not None})
+    contexts = sorted({r["context_length"] for r in summary})
+    header = ["context", "drafter", "full cache"] + [f"sparse B={b}" for b in budgets]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for context in contexts:
+        for label, target, drafter, method in ROWS:
+            sparse = "sink_window" if method == "mtp" else "budgeted"
+            key = dict(context_length=context, target=target, method=method)
+            if drafter is not None:
+                key["drafter"] = drafter
+            cells = [cell(find(summary, key, "full", None))]
+            cells += [cell(find(summary, key, sparse, b)) for b in budgets]
+            if any(c != "—" for c in cells):
+                lines.append(f"| {context:,} | {label} | " + " | ".join(cells) + " |")
+    arguments = payload["metadata"]["arguments"]
+    print(
+        "Cells: mean accepted length (tokens per target forward) · greedy diff vs the target's own greedy output "
+        "(tokens) · decode speed-up vs plain AR (median of paired ratios). Sparse = `budgeted` (chunk policy, "
+        "window 256) for the drafters; for the MTP head, windowed MTP with sink 64 + window B − 64.\n"
+    )
+    print("\n".join(lines))
+    print(
+        f"\n{arguments['threads']} torch threads, {arguments['new_tokens']} new tokens, "
+        f"{arguments['repeats']} interleaved repeats, task(s) {', '.join(arguments['tasks'])}"
+    )
+
+
+if __name__ == "__main__":
+    main()
