@@ -280,3 +280,15 @@ def test_full_preset_without_data_runs_the_passkey_tasks_only(capsys):
     explicit = BenchArguments(preset="full", target="t", drafter="d", tasks=["document"])
     with pytest.raises(ValueError, match="needs --data_files or --dataset_name"):
         bench.load_corpus(explicit)
+
+
+def test_target_attention_implementation_is_applied_to_the_targets_only(tmp_path):
+    args = BenchArguments(
+        preset="smoke",
+        output_dir=str(tmp_path),
+        methods=["native"],
+        target_attn_implementation="budgetdraft_sdpa",
+    )
+    models = bench.load_models(args, None)
+    assert all(m.config._attn_implementation == "budgetdraft_sdpa" for m in models.targets.values())
+    assert all(m.config._attn_implementation != "budgetdraft_sdpa" for m in models.drafters.values())

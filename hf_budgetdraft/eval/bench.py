@@ -173,6 +173,13 @@ class BenchArguments:
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "Model dtype (fp32 on CPU: every greedy-diff cell must be 0)."}
     )
+    target_attn_implementation: Literal["sdpa", "eager", "budgetdraft_sdpa"] | None = field(
+        default=None,
+        metadata={
+            "help": "Attention of the target(s) for every method alike, AR included (e.g. budgetdraft_sdpa: cheap "
+            "verification on CPU); default: as loaded."
+        },
+    )
     passkey_depth: float = field(
         default=0.25,
         metadata={"help": "passkey: needle depth as a fraction of the haystack (0 = start, 1 = end)."},
@@ -392,6 +399,9 @@ def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
         models = full_models(args)
     for model in (*models.targets.values(), *models.drafters.values()):
         model.to(device=args.device, dtype=_torch_dtype(args.dtype))
+    if args.target_attn_implementation is not None:
+        for model in models.targets.values():
+            model.set_attn_implementation(args.target_attn_implementation)
     return models
 
 
