@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
@@ -56,6 +57,13 @@ class GenerateArguments:
     budget: int = field(default=512, metadata={"help": "budgeted: prefix tokens kept per layer and KV head."})
     policy: str = field(default="chunk", metadata={"help": "budgeted: chunk | streaming | snapkv."})
     gamma: int = field(default=5, metadata={"help": "Draft tokens per round (num_assistant_tokens)."})
+    target_attn_implementation: Literal["sdpa", "eager", "budgetdraft_sdpa"] | None = field(
+        default=None,
+        metadata={
+            "help": "Target attention for AR and speculative runs alike (budgetdraft_sdpa: cheap verification on "
+            "CPU); default: as loaded."
+        },
+    )
     max_new_tokens: int = field(default=64, metadata={"help": "Tokens to generate."})
     threads: int = field(default=2, metadata={"help": "torch threads (set explicitly; see README)."})
     seed: int = field(default=0, metadata={"help": "Seed for random models and prompts."})
@@ -113,6 +121,8 @@ def generate_command(args: GenerateArguments) -> int:
         target, drafter, tokenizer = demo.target, demo.drafter, demo.tokenizer
     else:
         target, drafter, tokenizer = _load_pair(args)
+    if args.target_attn_implementation is not None:
+        target.set_attn_implementation(args.target_attn_implementation)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
     drafter.generation_config.num_assistant_tokens = args.gamma
     drafter.generation_config.num_assistant_tokens_schedule = "constant"

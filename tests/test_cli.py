@@ -37,3 +37,27 @@ def test_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--random_models", "--cache", "dense"])
     assert "--cache must be sink_window, budgeted or full" in capsys.readouterr().err
+
+
+def test_generate_demo_models_with_fast_target_attention(capsys):
+    code = main(
+        [
+            "generate",
+            "--demo_models",
+            "--context_length",
+            "1024",
+            "--max_new_tokens",
+            "16",
+            "--cache",
+            "budgeted",
+            "--budget",
+            "256",
+            "--target_attn_implementation",
+            "budgetdraft_sdpa",
+            "--threads",
+            "1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in out
