@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from . import record_speculation
 from .app import AppArguments, demo_command
 from .cache.base import MAX_CACHE_TOKENS
-from .demo.models import DEMO_DIR
+from .demo.documents import DEMO_TEXT
 from .eval.bench import BenchArguments, bench_command
 from .random_models import random_pair
 from .trainer.config import BudgetDraftConfig
@@ -81,9 +81,6 @@ class GenerateArguments:
             raise ValueError(f"--gamma must be in [1, 64], got {self.gamma}")
         if self.random_models + self.demo_models + bool(self.target and self.drafter) != 1:
             raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
-
-
-DEMO_TEXT = DEMO_DIR / "king_john.txt"  # held out from the demo models' training data
 
 
 def _load_pair(args: GenerateArguments):
