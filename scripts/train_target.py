@@ -223,7 +223,7 @@ def main() -> None:
         "--lengths",
         # the 128-token phase (32 rows a step, mostly passkeys, see --mix) is where retrieval was learnt: at 512
         # tokens, 5 passkey rows a step, the answer loss sat at chance for 300 steps; longer rows then teach it to
-        # stay sharp among more haystack tokens (2,048-token rows were dropped: 1 passkey row a step is too few)
+        # stay sharp among more haystack tokens (2,048-token rows, 1 passkey row a step, were not tried)
         default="0:256,450:512,700:128,1300:512,1600:1024",
         help="from-step:row-length pairs (4,096 tokens a step)",
     )
