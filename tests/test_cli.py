@@ -5,31 +5,26 @@ import pytest
 from hf_budgetdraft.cli import main
 
 
-@pytest.mark.parametrize("cache", ["sink_window", "budgeted", "full"])
-def test_generate_random_models(cache, capsys):
-    code = main(
-        [
-            "generate",
-            "--random_models",
-            "--context_length",
-            "300",
-            "--max_new_tokens",
-            "6",
-            "--cache",
-            cache,
-            "--window_length",
-            "64",
-            "--num_sink_tokens",
-            "4",
-            "--budget",
-            "64",
-            "--threads",
-            "1",
-        ]
-    )
+def assert_generate_is_lossless(capsys, *args: str) -> None:
+    """`hf-budgetdraft generate *args` exits 0 and reports output identical to the target's own greedy output."""
+    code = main(["generate", *args, "--threads", "1"])
     out = capsys.readouterr().out
     assert code == 0
     assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in out
+
+
+@pytest.mark.parametrize("cache", ["sink_window", "budgeted", "full"])
+def test_generate_random_models(cache, capsys):
+    assert_generate_is_lossless(
+        capsys,
+        "--random_models",
+        "--context_length", "300",
+        "--max_new_tokens", "6",
+        "--cache", cache,
+        "--window_length", "64",
+        "--num_sink_tokens", "4",
+        "--budget", "64",
+    )  # fmt: skip
 
 
 def test_bad_arguments(capsys):
@@ -40,24 +35,12 @@ def test_bad_arguments(capsys):
 
 
 def test_generate_demo_models_with_fast_target_attention(capsys):
-    code = main(
-        [
-            "generate",
-            "--demo_models",
-            "--context_length",
-            "1024",
-            "--max_new_tokens",
-            "16",
-            "--cache",
-            "budgeted",
-            "--budget",
-            "256",
-            "--target_attn_implementation",
-            "budgetdraft_sdpa",
-            "--threads",
-            "1",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in out
+    assert_generate_is_lossless(
+        capsys,
+        "--demo_models",
+        "--context_length", "1024",
+        "--max_new_tokens", "16",
+        "--cache", "budgeted",
+        "--budget", "256",
+        "--target_attn_implementation", "budgetdraft_sdpa",
+    )  # fmt: skip
