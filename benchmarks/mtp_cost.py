@@ -2,17 +2,24 @@
 
 Windowed-MTP (arXiv 2607.21535) models a decode round as t_step = t_verify + t_ctx_draft + γ·t_fwd_draft: the
 target verifies γ+1 tokens on its full cache; the MTP head first absorbs the newly verified token(s) into its own
-cache (t_ctx_draft) and then drafts γ tokens (one MTP depth each). Native MTP attends over the whole MTP cache, so
-both draft terms grow with context; windowed MTP reads a sink + window ring, so they stay flat.
+cache (t_ctx_draft) and then drafts γ tokens. Native MTP attends over the whole MTP cache, so both draft terms grow
+with context; windowed MTP reads a sink + window ring, so they stay flat.
 
 Costs depend on shapes, not values: the caches are filled with random keys/values of the given context length
-(no 64K prefill), and each phase is timed on a target of realistic proportions (GLM-4 style, 8 dense layers,
-hidden 320, 10 heads / 2 KV heads, partial RoPE) with `--depth` MTP layers. Phases are timed interleaved
-(native draft, windowed draft, verify, ...) in `--repeats` blocks, each block rolled back with `crop`.
+(no 64K prefill). `--shape` picks the target: `qwen3-0.6b` (default) has Qwen3-0.6B's layer shapes (hidden 1024,
+16 heads / 8 KV heads of 128, MLP 3072) in a GLM-4-style dense model of 8 layers with a 32K vocabulary (the LM
+head is ~20% of the target's weights, as on Qwen3.6-35B-A3B's active path); `demo` is the bundled demo target's
+shape (hidden 320), where per-op overhead, not attention, dominates. Draft step j runs MTP layer j mod `--depth`
+(one MTP layer reused γ times, as SGLang/vLLM draft several tokens from DeepSeek-V3's single MTP layer). Both
+draft caches append in O(1) (native: preallocated `GrowableLayer`s, like a paged cache; transformers' own
+`MtpCache` copies its whole cache on every append, which would inflate the win), so the win is the attention read
+alone. Phases are timed interleaved (verify, native draft, windowed draft, ...) in `--repeats` blocks, each block
+rolled back with `crop`.
 
-Reports per context: t_verify, t_ctx_draft and t_fwd_draft per method, round time for γ = 1..depth with a
-least-squares fit round = c + γ·t_fwd (standard errors), win% = step_native / step_windowed − 1 at γ = depth,
-and the draft-KV bytes reclaimed (also as a share of all KV). Run alone:
+Reports per context: t_verify (γ + 1 tokens) for γ = 1, 3 and `--gamma`; t_ctx_draft and mean t_fwd_draft per
+method with a least-squares fit of the draft time over γ = 1..`--gamma`, draft = c + γ·t_fwd (standard errors);
+win% = step_native / step_windowed − 1 at those γ; and the draft-KV bytes reclaimed (also as a share of all KV).
+Run alone:
     python benchmarks/mtp_cost.py --threads 2 --output-dir bench-out
 """
 
@@ -31,16 +38,36 @@ from transformers.modeling_layers import MtpModel
 
 import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import GrowableCache, cache_nbytes
+from hf_budgetdraft.cache import GrowableLayer
 from hf_budgetdraft.generation.mtp import WindowedMtpCache
 
 
-def target_config(depth: int, max_positions: int) -> Glm4MoeConfig:
+SHAPES = {
+    "qwen3-0.6b": dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "demo": dict(
+        vocab_size=2048, hidden_size=320, intermediate_size=1024, num_attention_heads=10, num_key_value_heads=2,
+        head_dim=32,
+    ),
+}  # fmt: skip
+
+
+def target_config(shape: str, depth: int, max_positions: int) -> Glm4MoeConfig:
+    """An 8-layer GLM-4-style target, every layer (MTP layers included) dense, partial RoPE."""
     layers = 8
     return Glm4MoeConfig(
-        vocab_size=2048, hidden_size=320, intermediate_size=1024, num_hidden_layers=layers,
-        first_k_dense_replace=layers + depth, num_attention_heads=10, num_key_value_heads=2, head_dim=32,
+        **SHAPES[shape], num_hidden_layers=layers, first_k_dense_replace=layers + depth,
         partial_rotary_factor=0.5, max_position_embeddings=max_positions, num_mtp_layers=depth,
     )  # fmt: skip
+
+
+def growable_mtp_cache(config, capacity: int) -> MtpCache:
+    """transformers' `MtpCache` (per-depth query offsets) on preallocated layers: appends copy nothing."""
+    cache = MtpCache(config=config)
+    cache.layers = [GrowableLayer(initial_capacity=capacity) for _ in cache.layers]
+    return cache
 
 
 def fill(cache, num_layers: int, length: int, heads: int, dim: int) -> None:
@@ -79,7 +106,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--depth", type=int, default=3, help="MTP layers; γ = 1..depth are fitted")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--depth", type=int, default=1, help="MTP layers; draft step j runs layer j mod depth")
+    parser.add_argument("--gamma", type=int, default=7, help="draft tokens per round; γ = 1..gamma are fitted")
     parser.add_argument(
         "--accepted", type=int, default=1, help="verified tokens absorbed per round (t_ctx_draft)"
     )
@@ -96,127 +125,144 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
-    if max(args.contexts) > 262144 or not 1 <= args.depth <= 8 or args.repeats > 1000:
-        parser.error("contexts <= 262144, 1 <= depth <= 8, repeats <= 1000")
+    if max(args.contexts) > 262144 or not 1 <= args.depth <= 8 or not 1 <= args.gamma <= 16 or args.repeats > 1000:
+        parser.error("contexts <= 262144, 1 <= depth <= 8, 1 <= gamma <= 16, repeats <= 1000")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = target_config(args.depth, max(args.contexts) + 64)
+    config = target_config(args.shape, args.depth, max(args.contexts) + 64)
     target = Glm4MoeForCausalLM(config).eval()
     if args.target_setup == "fast":
         target.set_attn_implementation("budgetdraft_sdpa")
     mtp = MtpModel(target, args.depth).eval()
     heads, dim, hidden = config.num_key_value_heads, config.head_dim, config.hidden_size
-    gamma_tokens = args.accepted + 1
+    absorbed = args.accepted + 1  # the accepted tokens and the target's bonus token
+    gammas = list(range(1, args.gamma + 1))
+    headline = sorted({g for g in (1, 3, args.gamma) if g <= args.gamma})
+    slack = absorbed + args.gamma
 
     records = []
     for context in args.contexts:
-        target_cache = (
-            GrowableCache(config=config) if args.target_setup == "fast" else DynamicCache(config=config)
-        )
+        capacity = context + 2 * slack
+        if args.target_setup == "fast":
+            target_cache = GrowableCache(config=config, initial_capacity=capacity)
+        else:
+            target_cache = DynamicCache(config=config)
         fill(target_cache, config.num_hidden_layers, context, heads, dim)
+        mtp_config = config.get_mtp_config()
         caches = {
-            "native": MtpCache(config=config.get_mtp_config()),
+            "native": growable_mtp_cache(mtp_config, capacity),
             "windowed": WindowedMtpCache(
-                config=config.get_mtp_config(), num_sink_tokens=args.sink, window_length=args.window, slack=32
+                config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack
             ),
         }
         for cache in caches.values():
             fill(cache, args.depth, context, heads, dim)
 
-        def verify(cache=target_cache, context=context):
-            ids = torch.randint(0, config.vocab_size, (1, args.depth + 1))
-            target(ids, cache=cache, position_ids=torch.arange(context, context + args.depth + 1)[None])
-            cache.crop(-(args.depth + 1))
+        def verify(gamma, cache=target_cache, context=context):
+            """The target scores the γ drafts and the token before them: γ + 1 tokens on its full cache."""
+            ids = torch.randint(0, config.vocab_size, (1, gamma + 1))
+            target(ids, cache=cache, position_ids=torch.arange(context, context + gamma + 1)[None])
+            cache.crop(-(gamma + 1))
 
-        def draft_layer(method, layer, tokens, context=context, caches=caches):
-            """One MTP depth absorbing `tokens` tokens (t_ctx_draft when tokens > 1, t_fwd_draft when 1)."""
+        def draft_round(method, context=context, caches=caches) -> list[float]:
+            """t_ctx_draft (layer 0 absorbs the verified tokens), then γ chained one-token draft steps; rolled back."""
             cache = caches[method]
-            ids = torch.randint(0, config.vocab_size, (1, tokens))
-            positions = torch.arange(context, context + tokens)[None]
-            mtp.forward_layer(layer, torch.randn(1, tokens, hidden), positions, cache, input_ids=ids)
-            cache.layers[layer].crop(-tokens)
+            appended = [0] * args.depth
 
-        phases = {
-            "verify": [],
-            **{f"{m}_ctx": [] for m in caches},
-            **{f"{m}_fwd": [] for m in caches},
-        }
+            def step(layer, tokens, position):
+                ids = torch.randint(0, config.vocab_size, (1, tokens))
+                positions = torch.arange(position, position + tokens)[None]
+                mtp.forward_layer(layer, torch.randn(1, tokens, hidden), positions, cache, input_ids=ids)
+                appended[layer] += tokens
+
+            times = [timed(lambda: step(0, absorbed, context))]
+            for j in range(args.gamma):
+                times.append(timed(lambda j=j: step(j % args.depth, 1, context + absorbed + j)))
+            for layer, tokens in enumerate(appended):
+                if tokens:
+                    cache.layers[layer].crop(-tokens)
+            return times
+
+        samples = {**{("verify", g): [] for g in headline}, **{m: [] for m in caches}}
         for repeat in range(args.repeats + 1):  # the first block is a warm-up
-            block = {"verify": timed(verify)}
-            for method in caches:
-                block[f"{method}_ctx"] = timed(lambda m=method: draft_layer(m, 0, gamma_tokens))
-                block[f"{method}_fwd"] = statistics.mean(
-                    timed(lambda m=method, k=k: draft_layer(m, k, 1)) for k in range(args.depth)
-                )
+            block = {**{("verify", g): timed(lambda g=g: verify(g)) for g in headline}}
+            block.update({m: draft_round(m) for m in caches})
             if repeat:
                 for key, value in block.items():
-                    phases[key].append(value)
+                    samples[key].append(value)
 
-        median = {key: statistics.median(values) for key, values in phases.items()}
-        record = {"context_length": context, **{f"{k}_ms": 1e3 * v for k, v in median.items()}}
+        def draft_s(method, i, g):  # t_ctx_draft + the first g draft steps of repeat i
+            ctx, *fwd = samples[method][i]
+            return ctx + sum(fwd[:g])
+
+        record = {
+            "context_length": context,
+            "verify_ms": {g: 1e3 * statistics.median(samples["verify", g]) for g in headline},
+        }
         for method in caches:
-            gammas = list(range(1, args.depth + 1))
-            rounds = [
-                median["verify"] + median[f"{method}_ctx"] + g * median[f"{method}_fwd"] for g in gammas
-            ]
-            # fit on the per-repeat rounds so the standard errors reflect the noise
-            xs, ys = [], []
-            for i in range(args.repeats):
-                for g in gammas:
-                    xs.append(g)
-                    ys.append(
-                        phases["verify"][i] + phases[f"{method}_ctx"][i] + g * phases[f"{method}_fwd"][i]
-                    )
-            record[f"{method}_round_ms"] = {g: 1e3 * r for g, r in zip(gammas, rounds, strict=True)}
-            record[f"{method}_fit"] = fit_line(xs, ys)
+            record[f"{method}_ctx_ms"] = 1e3 * statistics.median(t[0] for t in samples[method])
+            record[f"{method}_fwd_ms"] = 1e3 * statistics.median(statistics.mean(t[1:]) for t in samples[method])
+            record[f"{method}_round_ms"] = {
+                g: 1e3 * statistics.median(
+                    samples["verify", g][i] + draft_s(method, i, g) for i in range(args.repeats)
+                )
+                for g in headline
+            }
+            # draft time = c + γ·t_fwd, fitted on every repeat so the standard errors reflect the noise
+            pairs = [(g, draft_s(method, i, g)) for i in range(args.repeats) for g in gammas]
+            record[f"{method}_fit"] = fit_line([g for g, _ in pairs], [t for _, t in pairs])
             record[f"{method}_draft_kv_bytes"] = cache_nbytes(caches[method])
-        step_native = record["native_round_ms"][args.depth]
-        step_windowed = record["windowed_round_ms"][args.depth]
-        record["win_percent"] = 100 * (step_native / step_windowed - 1)
+        record["win_percent"] = {
+            g: 100 * (record["native_round_ms"][g] / record["windowed_round_ms"][g] - 1) for g in headline
+        }
         total_native = cache_nbytes(target_cache) + record["native_draft_kv_bytes"]
         reclaimed = record["native_draft_kv_bytes"] - record["windowed_draft_kv_bytes"]
         record["reclaimed_kv_bytes"] = reclaimed
         record["reclaimed_share_of_all_kv"] = reclaimed / total_native
         records.append(record)
+        wins = ", ".join(f"γ={g} {w:+.0f}%" for g, w in record["win_percent"].items())
         print(
-            f"context {context}: verify {record['verify_ms']:.1f} ms, draft ctx native/windowed "
-            f"{record['native_ctx_ms']:.2f}/{record['windowed_ctx_ms']:.2f} ms, win {record['win_percent']:+.0f}%",
+            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd native/windowed "
+            f"{record['native_fwd_ms']:.2f}/{record['windowed_fwd_ms']:.2f} ms, win {wins}",
             flush=True,
         )
+        del target_cache, caches
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    name = f"mtp_cost_{args.shape}_{args.target_setup}"
     summary = {
         "threads": args.threads,
         "torch": torch.__version__,
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
     }
-    (args.output_dir / f"mtp_cost_{args.target_setup}.json").write_text(json.dumps(summary, indent=2))
+    (args.output_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
     rows = [
-        f"| context | t_verify (ms) | t_ctx_draft native / windowed (ms) | t_fwd_draft native / windowed (ms) "
-        f"| fit t_fwd native / windowed (ms ± SE) | step native / windowed at γ={args.depth} (ms) | win | "
-        "draft KV reclaimed (MiB, share of all KV) |",
+        f"| context | t_verify at γ = {' / '.join(map(str, headline))} (ms) | t_ctx_draft native / windowed (ms) | t_fwd_draft native / windowed (ms) "
+        f"| fit t_fwd native / windowed (ms ± SE) | step native / windowed at γ={args.gamma} (ms) | "
+        f"win at γ = {' / '.join(map(str, headline))} | draft KV reclaimed (MiB, share of all KV) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         nf, wf = r["native_fit"], r["windowed_fit"]
+        wins = " / ".join(f"{w:+.0f}%" for w in r["win_percent"].values())
         rows.append(
-            f"| {r['context_length']} | {r['verify_ms']:.1f} | {r['native_ctx_ms']:.2f} / {r['windowed_ctx_ms']:.2f} "
+            f"| {r['context_length']} | {' / '.join(f'{v:.1f}' for v in r['verify_ms'].values())} | {r['native_ctx_ms']:.2f} / {r['windowed_ctx_ms']:.2f} "
             f"| {r['native_fwd_ms']:.2f} / {r['windowed_fwd_ms']:.2f} | {nf['t_fwd_ms']:.2f} ± {nf['t_fwd_se_ms']:.2f} / "
-            f"{wf['t_fwd_ms']:.2f} ± {wf['t_fwd_se_ms']:.2f} | {r['native_round_ms'][args.depth]:.1f} / "
-            f"{r['windowed_round_ms'][args.depth]:.1f} | {r['win_percent']:+.0f}% | "
+            f"{wf['t_fwd_ms']:.2f} ± {wf['t_fwd_se_ms']:.2f} | {r['native_round_ms'][args.gamma]:.1f} / "
+            f"{r['windowed_round_ms'][args.gamma]:.1f} | {wins} | "
             f"{r['reclaimed_kv_bytes'] / 2**20:.1f} ({100 * r['reclaimed_share_of_all_kv']:.1f}%) |"
         )
     rows.append("")
     rows.append(
-        f"{args.threads} torch threads, {args.repeats} interleaved repeats (medians), sink {args.sink}, window "
-        f"{args.window}, MTP depth {args.depth}, {gamma_tokens} tokens absorbed per round, target {args.target_setup}; "
-        "random weights, caches "
-        "filled with random keys/values (cost depends on shapes only)."
+        f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
+        f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
+        f"{absorbed} tokens absorbed per round, target {args.target_setup}; random weights, caches filled with random "
+        "keys/values (cost depends on shapes only)."
     )
     table = "\n".join(rows)
-    (args.output_dir / f"mtp_cost_{args.target_setup}.md").write_text(table + "\n")
+    (args.output_dir / f"{name}.md").write_text(table + "\n")
     print(table)
 
 

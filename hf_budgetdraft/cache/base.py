@@ -81,23 +81,21 @@ class SparseDraftLayer(CacheLayerMixin):
             return 0
         return self._num_static(length) + self.ring.num_visible(length)
 
-    def visible_past(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Past keys/values a new query reads: `(B, H, num_visible_past(), D)` each."""
+    def visible_past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Past keys/values a new query reads, in order: `(B, H, n_i, D)` views (static part, then the ring's one or
+        two contiguous pieces) whose lengths sum to `num_visible_past()`; nothing is copied."""
         length = self.cumulative_length
         n_static = self._num_static(length) if length else 0
-        ring_keys, ring_values = self.ring.read(length)
-        if n_static == 0:
-            return ring_keys, ring_values
-        static_keys, static_values = self.static_keys[:, :, :n_static], self.static_values[:, :, :n_static]
-        if ring_keys.shape[-2] == 0:
-            return static_keys, static_values
-        return torch.cat([static_keys, ring_keys], dim=-2), torch.cat([static_values, ring_values], dim=-2)
+        static = [(self.static_keys[:, :, :n_static], self.static_values[:, :, :n_static])] if n_static else []
+        return static + self.ring.read(length)
 
     def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        past_keys, past_values = self.visible_past()
-        if past_keys.shape[-2] == 0:
+        """`[visible past, new]` keys and values, `(B, H, num_visible_past() + q, D)`, built with one copy each."""
+        pieces = self.visible_past()
+        if not pieces:
             return key_states, value_states
-        return torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
+        pieces.append((key_states, value_states))
+        return torch.cat([k for k, _ in pieces], dim=-2), torch.cat([v for _, v in pieces], dim=-2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         num_past = self.num_visible_past()

@@ -49,8 +49,9 @@ class RingWindow:
     def num_visible(self, length: int) -> int:
         return max(0, length - self.window_start(length))
 
-    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of the window `[max(start, length - window), length)`, in position order: `(B, H, n, D)`."""
+    def read(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The window `[max(start, length - window), length)` in position order, as at most two `(B, H, n, D)`
+        key/value views of the ring (two when the window wraps around its end); nothing is copied."""
         first = self.window_start(length)
         if first < self.valid_from:
             raise RuntimeError(
@@ -58,9 +59,16 @@ class RingWindow:
                 "this is a bug in the cache bookkeeping (crop/update out of order)"
             )
         if length <= first:
-            return self.keys[:, :, :0], self.values[:, :, :0]
-        slots = self._slots(first, length, self.keys.device)
-        return self.keys.index_select(2, slots), self.values.index_select(2, slots)
+            return []
+        head = (first - self.start) % self.capacity
+        tail = head + (length - first)
+        if tail <= self.capacity:
+            return [(self.keys[:, :, head:tail], self.values[:, :, head:tail])]
+        wrapped = tail - self.capacity
+        return [
+            (self.keys[:, :, head:], self.values[:, :, head:]),
+            (self.keys[:, :, :wrapped], self.values[:, :, :wrapped]),
+        ]
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, first_position: int) -> None:
         """Store tokens at positions `[first_position, first_position + q)`; only the last `capacity` are kept."""
