@@ -6,13 +6,14 @@ import json
 import re
 
 import pytest
+import torch
 
 from hf_budgetdraft.cache.base import SparseDraftLayer
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.eval import bench
 from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, _bundled_tokenizer, run_bench
 from hf_budgetdraft.eval.report import PLOTS, REQUIRED_FIELDS
-from hf_budgetdraft.eval.runners import MethodSpec
+from hf_budgetdraft.eval.runners import MethodSpec, run_ar
 from hf_budgetdraft.random_models import smoke_pair
 
 EXTRA_FIELDS = (
@@ -30,6 +31,7 @@ KEY = (
     "task",
     "sample",
     "method",
+    "name",
     "cache",
     "policy",
     "budget",
@@ -91,6 +93,8 @@ def test_smoke_records_schema(smoke):
         "prompt_lookup",
         "mtp_native",
         "mtp_windowed",
+        "ar_stock",
+        "ar_growable",
     } <= names
     assert results["metadata"]["threads"] == 1
     with open(out / "results.csv") as handle:
@@ -103,7 +107,7 @@ def test_every_greedy_diff_cell_is_zero(smoke):
     assert all(r["diff_tokens"] == 0 and r["first_diff"] is None for r in results["records"])
     assert all(row["diff_tokens"] == 0 and row["run_to_run"] == 0 for row in results["noise_envelope"])
     kinds = {row["kind"] for row in results["noise_envelope"]}
-    assert {"native_vs_ar", "windowed_vs_native", "ar_run_to_run"} <= kinds
+    assert {"native_vs_ar", "windowed_vs_native", "ar_run_to_run", "ar_setup_vs_ar"} <= kinds
 
 
 def test_smoke_measurements_are_plausible(smoke):
@@ -134,7 +138,17 @@ def test_smoke_measurements_are_plausible(smoke):
     assert pooled[("ar", 512)]["target_cache_bytes"] > pooled[("ar", 256)]["target_cache_bytes"]
     assert pooled[("prompt_lookup γ=4", 256)]["draft_cache_bytes"] == 0
     # AR against itself, the same pass: exactly 1
-    assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["method"] == "ar")
+    assert all(r["speedup_vs_ar"] == 1.0 for r in records if r["name"] == "ar")
+    # the AR baselines: the GrowableCache is sized for prompt + new tokens, transformers' cache holds one less
+    new = records[0]["new_tokens"]
+    for context in (256, 512):
+        growable, dynamic = (pooled[(name, context)]["target_cache_bytes"] for name in ("ar_growable", "ar"))
+        assert growable * (context + new - 1) == dynamic * (context + new)
+    # every run is paired with both baselines of its own repeat
+    for r in records:
+        if r["target"] == "target":
+            assert r["speedup_vs_ar_stock"] > 0 and r["decode_speedup_vs_ar_growable"] > 0
+    assert all(r["speedup_vs_ar_stock"] == 1.0 for r in records if r["name"] == "ar_stock")
     # speculative runs were instrumented: rounds, phase times within the wall time
     for r in records:
         if r["method"] != "ar":
@@ -222,8 +236,7 @@ def test_corrupting_the_draft_cache_keeps_the_output_and_lowers_acceptance(tmp_p
     visible_past = SparseDraftLayer.visible_past
 
     def corrupted(self):  # every key the sparse draft reads is paired with the negated value
-        keys, values = visible_past(self)
-        return keys, -values
+        return [(keys, -values) for keys, values in visible_past(self)]
 
     monkeypatch.setattr(SparseDraftLayer, "visible_past", corrupted)
     broken = run_bench(_reduced(tmp_path / "broken"))
@@ -265,6 +278,9 @@ def test_method_spec_labels_and_errors():
         == "mtp:mtp_windowed B=64 γ=2"
     )
     assert MethodSpec("ar").native_counterpart() is None
+    assert MethodSpec("ar", ar_setup="stock").label == "ar_stock"
+    with pytest.raises(ValueError, match="ar_setup must be one of"):
+        MethodSpec("assisted", "full", gamma=2, ar_setup="stock")
     with pytest.raises(ValueError, match="needs a budget"):
         MethodSpec("assisted", "sink_window", gamma=2)
     with pytest.raises(ValueError, match="method must be one of"):
@@ -292,3 +308,27 @@ def test_target_attention_implementation_is_applied_to_the_targets_only(tmp_path
     models = bench.load_models(args, None)
     assert all(m.config._attn_implementation == "budgetdraft_sdpa" for m in models.targets.values())
     assert all(m.config._attn_implementation != "budgetdraft_sdpa" for m in models.drafters.values())
+
+
+def test_ar_baselines_run_stock_sdpa_or_the_growable_cache_and_restore_the_target(tmp_path, monkeypatch):
+    args = BenchArguments(
+        preset="smoke", output_dir=str(tmp_path), target_attn_implementation="budgetdraft_sdpa"
+    )
+    target = bench.load_models(args, None).targets["target"]
+    seen = []
+    generate = type(target).generate
+
+    def spy(self, *positional, **kwargs):
+        seen.append((self.config._attn_implementation, type(kwargs.get("cache")).__name__))
+        return generate(self, *positional, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", spy)
+    ids = torch.randint(3, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    runs = {setup: run_ar(target, ids, 6, setup) for setup in (None, "stock", "growable")}
+    assert seen == [
+        ("budgetdraft_sdpa", "NoneType"),
+        ("sdpa", "NoneType"),
+        ("budgetdraft_sdpa", "GrowableCache"),
+    ]
+    assert target.config._attn_implementation == "budgetdraft_sdpa"  # restored after the stock run
+    assert all(torch.equal(run.new_ids, runs[None].new_ids) for run in runs.values())

@@ -37,10 +37,10 @@ from transformers.utils import logging as hf_logging
 from ..cache.base import MAX_CACHE_TOKENS
 from ..cache.policies import POLICIES
 from .greedy_diff import divergence_margin, noise_envelope, token_diff
-from .runners import MethodSpec, RunResult, run_method, sparse_cache_config
+from .runners import AR_SETUPS, MethodSpec, RunResult, run_method, sparse_cache_config
 from .tasks import TASKS, Document, build_sample, load_documents, load_hub_documents, stdlib_documents
 
-BENCH_METHODS = ("native", "sink_window", "budgeted", "prompt_lookup", "mtp")
+BENCH_METHODS = ("native", "sink_window", "budgeted", "prompt_lookup", "mtp", "ar_stock", "ar_growable")
 MAX_RUNS = 200_000  # bound on the generate() calls one bench may schedule
 MAX_NEW_TOKENS = 4096
 MAX_GAMMA = 64
@@ -67,7 +67,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         budgets=[256, 512, 1024, 2048],
         gammas=[4],
         policies=["chunk"],
-        methods=["native", "budgeted", "mtp"],
+        methods=["native", "budgeted", "mtp", "ar_stock", "ar_growable"],
         tasks=["document"],
         new_tokens=128,
         repeats=2,
@@ -81,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         budgets=[256, 512, 1024, 2048],
         gammas=[4, 8],
         policies=["chunk"],
-        methods=["native", "sink_window", "budgeted", "prompt_lookup", "mtp"],
+        methods=["native", "sink_window", "budgeted", "prompt_lookup", "mtp", "ar_stock", "ar_growable"],
         tasks=list(TASKS),
         new_tokens=256,
         repeats=5,
@@ -144,7 +144,12 @@ class BenchArguments:
         default=None, metadata={"help": f"Budgeted policies among {sorted(POLICIES)}."}
     )
     methods: list[str] | None = field(
-        default=None, metadata={"help": f"Methods among {list(BENCH_METHODS)} (plain AR always runs)."}
+        default=None,
+        metadata={
+            "help": f"Methods among {list(BENCH_METHODS)}. Plain AR (the reference) always runs; ar_stock = AR with "
+            "stock sdpa attention, ar_growable = AR on the fast GrowableCache: the baselines of the extra speed-up "
+            "columns."
+        },
     )
     gammas: list[int] | None = field(
         default=None,
@@ -437,9 +442,11 @@ def load_corpus(args: BenchArguments) -> tuple[list[Document], str]:
 
 
 def build_specs(args: BenchArguments, models: BenchModels) -> list[MethodSpec]:
-    """Every run of one cell, in the interleaving order: AR first (the reference), then per drafter and γ the
-    native run, the sparse runs and prompt lookup; then the MTP model's AR, native and windowed MTP."""
+    """Every run of one cell, in the interleaving order: AR first (the reference) and the AR baselines, then per
+    drafter and γ the native run, the sparse runs and prompt lookup; then the MTP model's AR, native and windowed
+    MTP."""
     specs = [MethodSpec("ar")]
+    specs += [MethodSpec("ar", ar_setup=s) for s in AR_SETUPS if f"ar_{s}" in args.methods]
     for drafter in models.drafters:
         for gamma in args.gammas:
             if "native" in args.methods:
@@ -509,6 +516,15 @@ def _median(values: list[float]) -> float | None:
     return float(torch.tensor(values, dtype=torch.float64).median()) if values else None
 
 
+def _paired_speedups(suffix: str, run: RunResult, ar: RunResult) -> dict:
+    """`speedup_vs_ar{suffix}` (end to end) and `decode_speedup_vs_ar{suffix}` of `run` over the AR run `ar`."""
+    decode = run.decode_tokens_per_second, ar.decode_tokens_per_second
+    return {
+        f"speedup_vs_ar{suffix}": ar.seconds / run.seconds,
+        f"decode_speedup_vs_ar{suffix}": decode[0] / decode[1] if all(decode) else None,
+    }
+
+
 def make_records(
     args: BenchArguments,
     models: BenchModels,
@@ -568,12 +584,13 @@ def make_records(
                     "tokens_per_second": run.tokens_per_second,
                     "first_token_seconds": run.first_token_seconds,
                     "decode_tokens_per_second": run.decode_tokens_per_second,
-                    "speedup_vs_ar": ar_runs[repeat].seconds / run.seconds,
-                    "decode_speedup_vs_ar": (
-                        run.decode_tokens_per_second / ar_runs[repeat].decode_tokens_per_second
-                        if run.decode_tokens_per_second and ar_runs[repeat].decode_tokens_per_second
-                        else None
-                    ),
+                    **_paired_speedups("", run, ar_runs[repeat]),
+                    **{
+                        key: value
+                        for setup in AR_SETUPS
+                        if (baseline := results.get(MethodSpec("ar", target=spec.target, ar_setup=setup)))
+                        for key, value in _paired_speedups(f"_{setup}", run, baseline[repeat]).items()
+                    },
                     "speedup_vs_native": (
                         results[native][repeat].seconds / run.seconds
                         if native in results
@@ -611,7 +628,9 @@ def envelope_rows(
     outputs = {spec.label: [run.new_ids for run in runs] for spec, runs in results.items()}
     pairs = []
     for spec in results:
-        if spec.method == "ar":
+        if spec.method == "ar" and spec.ar_setup:
+            pairs.append(("ar_setup_vs_ar", spec.label, MethodSpec("ar", target=spec.target).label))
+        elif spec.method == "ar":
             pairs.append(("ar_run_to_run", spec.label, spec.label))
         elif spec.is_native:
             pairs.append(("native_vs_ar", spec.label, MethodSpec("ar", target=spec.target).label))

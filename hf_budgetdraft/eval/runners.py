@@ -3,6 +3,8 @@
 | method (`MethodSpec`)                     | what runs                                                                   |
 |-------------------------------------------|-----------------------------------------------------------------------------|
 | `ar`                                      | `target.generate(ids)`: plain autoregressive greedy, the reference           |
+| `ar`, setup `stock`                       | the same with stock `attn_implementation="sdpa"` (transformers out of the box) |
+| `ar`, setup `growable`                    | the same on this package's fast target cache, `cache=GrowableCache(...)`     |
 | `assisted`, cache `full` ("native")       | stock transformers assisted generation, the drafter on its own full cache    |
 | `assisted`, cache `sink_window`           | the drafter reads sink + window (`cache_implementation="sink_window"`)       |
 | `assisted`, cache `budgeted` + policy     | the drafter reads a budgeted selection (`cache_implementation="budgeted"`)   |
@@ -29,9 +31,11 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache.base import cache_nbytes
+from ..cache.growable import GrowableCache
 from ..generation.stats import SpeculationStats, record_speculation
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
+AR_SETUPS = ("stock", "growable")  # plain-AR baselines besides the reference (see the module docstring)
 DRAFT_CACHES = ("none", "full", "sink_window", "budgeted")
 DEFAULT_SLACK = 32  # the sparse caches' default rollback slack: a larger γ needs a larger slack
 
@@ -48,6 +52,8 @@ class MethodSpec:
         gamma (`int`): draft tokens per round (MTP: the number of MTP layers; AR: 0).
         target (`str`): which target model runs (`"target"`, or `"mtp"` for the MTP model).
         drafter (`str`, *optional*): which drafter (assisted only).
+        ar_setup (`str`, *optional*): AR only: `stock` (sdpa attention) or `growable` (the fast target cache); `None`
+            = the target as loaded on transformers' default cache, the reference every run is compared with.
     """
 
     method: str
@@ -57,8 +63,11 @@ class MethodSpec:
     gamma: int = 0
     target: str = "target"
     drafter: str | None = None
+    ar_setup: str | None = None
 
     def __post_init__(self):
+        if self.ar_setup is not None and (self.method != "ar" or self.ar_setup not in AR_SETUPS):
+            raise ValueError(f"ar_setup must be one of {AR_SETUPS} with method 'ar', got {self.ar_setup!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.cache not in DRAFT_CACHES:
@@ -82,7 +91,7 @@ class MethodSpec:
         if self.method == "assisted":
             base = "native" if self.cache == "full" else self.cache
             return f"{base}/{self.policy}" if self.policy else base
-        return self.method
+        return f"ar_{self.ar_setup}" if self.ar_setup else self.method
 
     @property
     def label(self) -> str:
@@ -233,8 +242,21 @@ def sparse_cache_config(
     return config
 
 
-def run_ar(target, input_ids: torch.LongTensor, new_tokens: int) -> RunResult:
-    """Plain greedy decoding: the reference every other method must reproduce token for token."""
+def run_ar(target, input_ids: torch.LongTensor, new_tokens: int, setup: str | None = None) -> RunResult:
+    """Plain greedy decoding: the reference every other method must reproduce token for token.
+
+    `setup="stock"` runs it with transformers' own `sdpa` attention (whatever the target was set to, restored
+    after); `setup="growable"` on a `GrowableCache` sized for the call (in-place appends)."""
+    if setup == "growable":
+        cache = GrowableCache(config=target.config, initial_capacity=input_ids.shape[1] + new_tokens)
+        return _timed_generate(target, input_ids, new_tokens, cache=cache)
+    if setup == "stock":
+        attention = target.config._attn_implementation
+        target.set_attn_implementation("sdpa")
+        try:
+            return _timed_generate(target, input_ids, new_tokens)
+        finally:
+            target.set_attn_implementation(attention)
     return _timed_generate(target, input_ids, new_tokens)
 
 
@@ -318,7 +340,7 @@ def run_method(
         else None
     )
     if spec.method == "ar":
-        return run_ar(target, input_ids, new_tokens)
+        return run_ar(target, input_ids, new_tokens, spec.ar_setup)
     if spec.method == "prompt_lookup":
         return run_prompt_lookup(target, input_ids, new_tokens, spec.gamma)
     if spec.method == "mtp":
