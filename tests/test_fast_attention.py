@@ -112,6 +112,18 @@ def test_split_path_is_taken_and_merges_exactly():
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_output_flags_generate_passes_down_keep_the_fast_path(monkeypatch):
+    """`generate(use_mtp=True)` verifies with `output_hidden_states=True`, which reaches the attention function: it
+    changes nothing there, so it must not send verification to stock sdpa on a materialised mask (2x slower)."""
+    monkeypatch.setattr(fast_sdpa, "sdpa_attention_forward", None)  # any stock fallback would fail loudly
+    query, key, value = _qkv(1, 8, 2, 3, 40, dim=32)
+    flags = {"output_hidden_states": True, "return_dict": True, "use_cache": True}
+    with torch.no_grad():
+        out, _ = budgetdraft_sdpa_attention_forward(_Module(4), query, key, value, None, **flags)
+    expected, _ = sdpa_attention_forward(_Module(4), query, key, value, lower_right_causal_mask(3, 40, "cpu"))
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_non_causal_and_masked_paths_match_stock():
     module = _Module(2, is_causal=False)
     query, key, value = _qkv(2, 4, 2, 5, 23)

@@ -47,6 +47,8 @@ _IGNORED_KWARGS = frozenset(
         "max_length_q",
         "max_length_k",
         "output_attentions",
+        "output_hidden_states",  # passed down by generate(use_mtp=True)'s verification; attention ignores it
+        "return_dict",
         "is_causal",
         "position_embeddings",
         "cache",
