@@ -41,7 +41,6 @@ from hf_budgetdraft import GrowableCache, cache_nbytes
 from hf_budgetdraft.cache import GrowableLayer
 from hf_budgetdraft.generation.mtp import WindowedMtpCache
 
-
 SHAPES = {
     "qwen3-0.6b": dict(
         vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
@@ -107,8 +106,12 @@ def main() -> None:
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--depth", type=int, default=1, help="MTP layers; draft step j runs layer j mod depth")
-    parser.add_argument("--gamma", type=int, default=7, help="draft tokens per round; γ = 1..gamma are fitted")
+    parser.add_argument(
+        "--depth", type=int, default=1, help="MTP layers; draft step j runs layer j mod depth"
+    )
+    parser.add_argument(
+        "--gamma", type=int, default=7, help="draft tokens per round; γ = 1..gamma are fitted"
+    )
     parser.add_argument(
         "--accepted", type=int, default=1, help="verified tokens absorbed per round (t_ctx_draft)"
     )
@@ -125,7 +128,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
-    if max(args.contexts) > 262144 or not 1 <= args.depth <= 8 or not 1 <= args.gamma <= 16 or args.repeats > 1000:
+    if (
+        max(args.contexts) > 262144
+        or not 1 <= args.depth <= 8
+        or not 1 <= args.gamma <= 16
+        or args.repeats > 1000
+    ):
         parser.error("contexts <= 262144, 1 <= depth <= 8, 1 <= gamma <= 16, repeats <= 1000")
 
     torch.set_num_threads(args.threads)
@@ -192,7 +200,7 @@ def main() -> None:
                 for key, value in block.items():
                     samples[key].append(value)
 
-        def draft_s(method, i, g):  # t_ctx_draft + the first g draft steps of repeat i
+        def draft_s(method, i, g, samples=samples):  # t_ctx_draft + the first g draft steps of repeat i
             ctx, *fwd = samples[method][i]
             return ctx + sum(fwd[:g])
 
@@ -202,9 +210,12 @@ def main() -> None:
         }
         for method in caches:
             record[f"{method}_ctx_ms"] = 1e3 * statistics.median(t[0] for t in samples[method])
-            record[f"{method}_fwd_ms"] = 1e3 * statistics.median(statistics.mean(t[1:]) for t in samples[method])
+            record[f"{method}_fwd_ms"] = 1e3 * statistics.median(
+                statistics.mean(t[1:]) for t in samples[method]
+            )
             record[f"{method}_round_ms"] = {
-                g: 1e3 * statistics.median(
+                g: 1e3
+                * statistics.median(
                     samples["verify", g][i] + draft_s(method, i, g) for i in range(args.repeats)
                 )
                 for g in headline

@@ -86,7 +86,9 @@ class SparseDraftLayer(CacheLayerMixin):
         two contiguous pieces) whose lengths sum to `num_visible_past()`; nothing is copied."""
         length = self.cumulative_length
         n_static = self._num_static(length) if length else 0
-        static = [(self.static_keys[:, :, :n_static], self.static_values[:, :, :n_static])] if n_static else []
+        static = (
+            [(self.static_keys[:, :, :n_static], self.static_values[:, :, :n_static])] if n_static else []
+        )
         return static + self.ring.read(length)
 
     def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor):

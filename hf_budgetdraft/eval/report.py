@@ -335,7 +335,13 @@ def write_markdown(path: Path, summary, fits, envelope, metadata, records) -> No
         slot[1] += row["diff_tokens"] > 0
         slot[2] = max(slot[2], row["run_to_run"])
         slot[3] += 1
-    kinds = {"ar_run_to_run": 0, "ar_setup_vs_ar": 1, "native_vs_ar": 2, "windowed_vs_native": 3, "other_vs_ar": 4}
+    kinds = {
+        "ar_run_to_run": 0,
+        "ar_setup_vs_ar": 1,
+        "native_vs_ar": 2,
+        "windowed_vs_native": 3,
+        "other_vs_ar": 4,
+    }
     env_rows = [
         [kind, label, baseline, v[0], f"{v[1]}/{v[3]}", v[2]]
         for (kind, label, baseline), v in sorted(env.items(), key=lambda kv: (kinds[kv[0][0]], kv[0][1]))
