@@ -5,7 +5,8 @@
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
-  `use_mtp=True` and `"sink_window"`, the model's own MTP head drafts on a `WindowedMtpCache` (Windowed-MTP).
+  `use_mtp=True` and `"sink_window"`, the model's own MTP head drafts on a `WindowedMtpCache` (Windowed-MTP);
+  with `speculation_type="dflash"`, the DFlash block drafter on a `WindowedDFlashCache`.
   Inside `record_speculation()`, every candidate generator (stock ones too) is instrumented.
 - `_prepare_cache_for_generation`: with a draft, the target's full cache is a `GrowableCache` (appends in place,
   exact O(1) rollback) when every layer is full attention, else transformers' default; without a draft, the
@@ -33,6 +34,7 @@ from .attention.varlen import register as register_varlen
 from .cache import BudgetedCache, GrowableCache, SinkWindowCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .generation.candidate_generator import SparseDraftCandidateGenerator
+from .generation.dflash import windowed_dflash_cache
 from .generation.mtp import expose_mtp_layers, windowed_mtp_cache
 from .generation.stats import active_recorder, instrument
 
@@ -102,6 +104,30 @@ def _windowed_mtp_generator(
     return generator
 
 
+def _windowed_dflash_generator(
+    self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model
+):
+    """transformers' DFlash candidate generator with its draft cache swapped for a sink + window ring."""
+    if name != "sink_window":
+        raise ValueError(
+            f"speculation_type='dflash' supports cache_implementation='sink_window' (a windowed DFlash draft), got "
+            f"{name!r}; a budgeted DFlash cache is not implemented"
+        )
+    if assistant_model is None:
+        raise ValueError("speculation_type='dflash' needs assistant_model=<a DFlash drafter>")
+    generator = _originals["_get_candidate_generator"](
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model=assistant_model,
+    )
+    generator.cache = windowed_dflash_cache(assistant_model, generation_config.cache_config)
+    return generator
+
+
 def _get_candidate_generator(
     self,
     generation_config,
@@ -117,6 +143,17 @@ def _get_candidate_generator(
     if name in SPARSE_CACHE_IMPLEMENTATIONS and generation_config.use_mtp:
         generator = _windowed_mtp_generator(
             self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
+        )
+    elif name in SPARSE_CACHE_IMPLEMENTATIONS and generation_config.speculation_type == "dflash":
+        generator = _windowed_dflash_generator(
+            self,
+            name,
+            generation_config,
+            input_ids,
+            inputs_tensor,
+            logits_processor,
+            model_kwargs,
+            assistant_model,
         )
     elif name in SPARSE_CACHE_IMPLEMENTATIONS:
         _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
@@ -190,7 +227,9 @@ def _can_use_growable(model, generation_config, model_kwargs) -> bool:
     """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise."""
     return (
         model_kwargs.get("cache") is None
-        and not generation_config.use_mtp  # (Windowed-MTP keeps transformers' MTP cache handling)
+        # Windowed MTP / DFlash keep the target cache native MTP / DFlash use, so the two differ in the draft only
+        and not generation_config.use_mtp
+        and generation_config.speculation_type != "dflash"
         and generation_config.use_cache is not False
         and not model.config.is_encoder_decoder
         and model._supports_default_dynamic_cache()

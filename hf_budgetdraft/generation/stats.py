@@ -59,11 +59,12 @@ class SpeculationStats:
     def draft_cache(self):
         """The draft side's KV cache of the most recent recorded call, for memory accounting: the
         `SparseDraftCache` of a sparse draft, the stock assistant's own cache (a full `DynamicCache`), or the MTP
-        head's cache (`MtpCache` / `WindowedMtpCache`); `None` for prompt lookup (no draft model) or no call."""
+        head's cache (`MtpCache` / `WindowedMtpCache`), the DFlash drafter's (`DFlashCache` / `WindowedDFlashCache`); `None` for prompt lookup (no draft model) or no call."""
         generator = self.candidate_generator
         if generator is None:
             return None
-        for attribute in ("draft_cache", "mtp_cache"):  # SparseDraftCandidateGenerator, MTPCandidateGenerator
+        # SparseDraftCandidateGenerator, MTPCandidateGenerator, DFlashTokenCandidateGenerator
+        for attribute in ("draft_cache", "mtp_cache", "cache"):
             if getattr(generator, attribute, None) is not None:
                 return getattr(generator, attribute)
         return (getattr(generator, "assistant_kwargs", None) or {}).get("cache")
