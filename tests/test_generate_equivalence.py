@@ -6,8 +6,10 @@ several times longer than the window/budget, so the draft's eviction really happ
 import pytest
 import torch
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from hf_budgetdraft import record_speculation
+from hf_budgetdraft.generation.candidate_generator import SparseDraftCandidateGenerator
 
 PROMPT_LENGTH, NEW_TOKENS = 240, 48
 CACHES = {
@@ -92,3 +94,42 @@ def test_window_covering_the_whole_context_equals_native_assisted():
     )
     assert torch.equal(out, expected)
     assert windowed.accepted_per_round == native.accepted_per_round
+
+
+@pytest.mark.parametrize("setting", ["plain", "confidence_threshold", "eos", "min_new_tokens", "min_length"])
+def test_greedy_draft_loop_proposes_what_nested_generate_proposes(monkeypatch, setting):
+    """The sparse-draft generator drafts greedily with a plain forward loop; it must propose, round for round, what
+    transformers' nested `assistant_model.generate()` proposes (stopping rules and logits processors included)."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=GAMMA)
+    drafter.generation_config.assistant_confidence_threshold = (
+        0.4 if setting == "confidence_threshold" else 0.0
+    )
+    ids = random_prompt(PROMPT_LENGTH, seed=4)
+    kwargs = {
+        "min_new_tokens": {"min_new_tokens": NEW_TOKENS},
+        "min_length": {"min_length": PROMPT_LENGTH + NEW_TOKENS},  # the draft suppresses EOS itself
+    }.get(setting, {})
+    if setting in (
+        "eos",
+        "min_new_tokens",
+        "min_length",
+    ):  # the token the target emits most often ends the text
+        plain = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)[0, PROMPT_LENGTH:]
+        kwargs["eos_token_id"] = int(plain.mode().values)
+    runs = {}
+    for name in ("loop", "nested generate"):
+        if name == "nested generate":
+            monkeypatch.setattr(
+                SparseDraftCandidateGenerator,
+                "_draft_greedily",
+                lambda self, args: AssistedCandidateGenerator._generate_candidates(self, args),
+            )
+        out, stats = speculate(target, drafter, ids, "budgeted-chunk", **kwargs)
+        runs[name] = (out, stats.proposed_per_round, stats.accepted_per_round)
+    (out, proposed, accepted), (reference, *reference_rounds) = runs["loop"], runs["nested generate"]
+    assert torch.equal(out, reference) and [proposed, accepted] == reference_rounds
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs))
+    if setting == "confidence_threshold":
+        assert min(proposed) < GAMMA  # the threshold did stop some rounds early
+    if setting == "eos":
+        assert out.shape[1] < PROMPT_LENGTH + NEW_TOKENS  # the text did end at EOS
