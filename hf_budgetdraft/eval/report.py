@@ -67,6 +67,7 @@ SPEEDUP_KEYS = (
     "speedup_vs_native",
     "speedup_vs_ar_stock",
     "decode_speedup_vs_ar_stock",
+    "speedup_vs_ar_growable",
     "decode_speedup_vs_ar_growable",
 )
 PLOTS = ("acceptance_vs_context.png", "speedup_vs_budget.png", "phase_costs_vs_context.png")
