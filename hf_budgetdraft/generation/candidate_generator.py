@@ -106,9 +106,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
                 .logits[:, -1, :]
                 .float()
             )  # (1, V)
-            for (
-                processor
-            ) in processors:  # (a plain list here: the candidate generator filters the call's list)
+            # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list
+            for processor in processors:
                 logits = processor(ids, logits)
             if step < min_new and eos.numel():
                 logits[:, eos] = -float("inf")
