@@ -52,7 +52,11 @@ class GenerateArguments:
         default="sink_window", metadata={"help": "Draft cache: sink_window | budgeted | full."}
     )
     num_sink_tokens: int = field(default=64, metadata={"help": "sink_window: attention-sink tokens."})
-    window_length: int = field(default=1024, metadata={"help": "sink_window/budgeted: recent-window tokens."})
+    window_length: int = field(default=1024, metadata={"help": "sink_window: recent-window tokens."})
+    budgeted_window_length: int = field(
+        default=256,
+        metadata={"help": "budgeted: recent tokens kept besides the budget (the bench's demo/full default)."},
+    )
     budget: int = field(default=512, metadata={"help": "budgeted: prefix tokens kept per layer and KV head."})
     policy: str = field(default="chunk", metadata={"help": "budgeted: chunk | streaming | snapkv."})
     gamma: int = field(default=5, metadata={"help": "Draft tokens per round (num_assistant_tokens)."})
@@ -123,7 +127,11 @@ def generate_command(args: GenerateArguments) -> int:
     if args.cache == "sink_window":
         cache_config = {"num_sink_tokens": args.num_sink_tokens, "window_length": args.window_length}
     elif args.cache == "budgeted":
-        cache_config = {"budget": args.budget, "policy": args.policy, "window_length": args.window_length}
+        cache_config = {
+            "budget": args.budget,
+            "policy": args.policy,
+            "window_length": args.budgeted_window_length,
+        }
     cache = None if args.cache == "full" else args.cache
     # the benchmark's runners: greedy, exactly max_new_tokens, a fixed draft length, decode time read off a streamer
     ar = run_ar(target, ids, args.max_new_tokens)
