@@ -21,6 +21,7 @@ Every other `generate()` call goes to transformers untouched.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from transformers import PreTrainedConfig
@@ -83,47 +84,29 @@ def _check_assistant(
         )
 
 
-def _windowed_mtp_generator(
-    self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
-):
-    """transformers' MTP candidate generator with its draft cache swapped for a sink + window ring (Windowed-MTP)."""
+def _windowed_builtin_generator(self, name, generation_config, assistant_model, stock_generator):
+    """transformers' own MTP (`use_mtp=True`) or DFlash (`speculation_type="dflash"`) candidate generator, built by
+    `stock_generator(**kwargs)`, with its draft cache swapped for a sink + window ring (Windowed-MTP)."""
+    mtp = generation_config.use_mtp
+    kind, draft = ("use_mtp=True", "MTP") if mtp else ("speculation_type='dflash'", "DFlash")
     if name != "sink_window":
         raise ValueError(
-            f"use_mtp=True supports cache_implementation='sink_window' (Windowed-MTP), got {name!r}; a budgeted MTP "
-            "cache is not implemented"
+            f"{kind} supports cache_implementation='sink_window' (a windowed {draft} draft), got {name!r}; a budgeted "
+            f"{draft} cache is not implemented"
         )
-    if not getattr(self.config.get_text_config(), "num_mtp_layers", None):
-        raise ValueError(
-            f"use_mtp=True needs a model with MTP layers (config.num_mtp_layers), but {type(self).__name__} has none"
-        )
-    expose_mtp_layers(self)
-    generator = _originals["_get_candidate_generator"](
-        self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
-    )
-    generator.mtp_cache = windowed_mtp_cache(self, generation_config.cache_config)
-    return generator
-
-
-def _windowed_dflash_generator(
-    self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model
-):
-    """transformers' DFlash candidate generator with its draft cache swapped for a sink + window ring."""
-    if name != "sink_window":
-        raise ValueError(
-            f"speculation_type='dflash' supports cache_implementation='sink_window' (a windowed DFlash draft), got "
-            f"{name!r}; a budgeted DFlash cache is not implemented"
-        )
+    if mtp:
+        if not getattr(self.config.get_text_config(), "num_mtp_layers", None):
+            raise ValueError(
+                f"use_mtp=True needs a model with MTP layers (config.num_mtp_layers), but {type(self).__name__} has "
+                "none"
+            )
+        expose_mtp_layers(self)
+        generator = stock_generator()
+        generator.mtp_cache = windowed_mtp_cache(self, generation_config.cache_config)
+        return generator
     if assistant_model is None:
         raise ValueError("speculation_type='dflash' needs assistant_model=<a DFlash drafter>")
-    generator = _originals["_get_candidate_generator"](
-        self,
-        generation_config,
-        input_ids,
-        inputs_tensor,
-        logits_processor,
-        model_kwargs,
-        assistant_model=assistant_model,
-    )
+    generator = stock_generator(assistant_model=assistant_model)
     generator.cache = windowed_dflash_cache(assistant_model, generation_config.cache_config)
     return generator
 
@@ -140,20 +123,19 @@ def _get_candidate_generator(
     assistant_tokenizer=None,
 ):
     name = generation_config.cache_implementation
-    if name in SPARSE_CACHE_IMPLEMENTATIONS and generation_config.use_mtp:
-        generator = _windowed_mtp_generator(
-            self, name, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs
-        )
-    elif name in SPARSE_CACHE_IMPLEMENTATIONS and generation_config.speculation_type == "dflash":
-        generator = _windowed_dflash_generator(
-            self,
-            name,
-            generation_config,
-            input_ids,
-            inputs_tensor,
-            logits_processor,
-            model_kwargs,
-            assistant_model,
+    stock_generator = functools.partial(
+        _originals["_get_candidate_generator"],
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+    )
+    builtin_draft = generation_config.use_mtp or generation_config.speculation_type == "dflash"
+    if name in SPARSE_CACHE_IMPLEMENTATIONS and builtin_draft:
+        generator = _windowed_builtin_generator(
+            self, name, generation_config, assistant_model, stock_generator
         )
     elif name in SPARSE_CACHE_IMPLEMENTATIONS:
         _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
@@ -167,13 +149,7 @@ def _get_candidate_generator(
             logits_processor=logits_processor,
         )
     else:
-        generator = _originals["_get_candidate_generator"](
-            self,
-            generation_config,
-            input_ids,
-            inputs_tensor,
-            logits_processor,
-            model_kwargs,
+        generator = stock_generator(
             assistant_model=assistant_model,
             target_tokenizer=target_tokenizer,
             assistant_tokenizer=assistant_tokenizer,
