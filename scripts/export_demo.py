@@ -5,8 +5,8 @@ write each folder's model card.
         --adapter runs/budgetdraft/lora_adapter --commands scripts/demo_commands.json --threads 2
 
 Measured on the bundled (bf16-stored, fp32-loaded) weights: passkey retrieval at several lengths with the needle at
-random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-split perplexity at 2K and 16K
-context over the same tokens, and each drafter's top-1 agreement with the target on eval text.
+random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-split perplexity with 2K, 4K, 8K and
+16K-token windows over the same tokens, and each drafter's top-1 agreement with the target on eval text.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
         )
         print(f"passkey @{length}: {accuracy:.0%}", flush=True)
     ids = eval_ids(demo.tokenizer, args.corpus, 16384)
-    for context in (2048, 16384):
+    for context in (2048, 4096, 8192, 16384):
         ppl = perplexity(demo.target, ids, context)
         metrics["target"][f"eval perplexity, {context}-token windows (same 16,384 tokens)"] = f"{ppl:.2f}"
         print(f"perplexity @{context}: {ppl:.2f}", flush=True)
