@@ -96,26 +96,6 @@ def test_window_covering_the_whole_context_equals_native_assisted():
     assert windowed.accepted_per_round == native.accepted_per_round
 
 
-def test_greedy_draft_loop_runs_in_inference_mode_and_hands_back_ordinary_tensors(monkeypatch):
-    """The draft loop writes its cache under `torch.inference_mode()` (cheaper small ops); generate() must still get
-    ordinary tensors, which it may update in place."""
-    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=GAMMA)
-    ids = random_prompt(PROMPT_LENGTH, seed=4)
-    returned, draft_loop = [], SparseDraftCandidateGenerator._draft_greedily
-
-    def spy(self, generation_args):
-        candidate_ids, candidate_logits = draft_loop(self, generation_args)
-        returned.append((candidate_ids, candidate_logits, self.draft_cache.layers[0]))
-        return candidate_ids, candidate_logits
-
-    monkeypatch.setattr(SparseDraftCandidateGenerator, "_draft_greedily", spy)
-    out, stats = speculate(target, drafter, ids, "budgeted-chunk")
-    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
-    assert len(returned) == len(stats.proposed_per_round) > 1
-    assert not any(t.is_inference() for candidate_ids, logits, _ in returned for t in (candidate_ids, logits))
-    assert returned[-1][2].ring.keys.is_inference()  # the draft cache was written in inference mode
-
-
 @pytest.mark.parametrize("setting", ["plain", "confidence_threshold", "eos", "min_new_tokens", "min_length"])
 def test_greedy_draft_loop_proposes_what_nested_generate_proposes(monkeypatch, setting):
     """The sparse-draft generator drafts greedily with a plain forward loop; it must propose, round for round, what
