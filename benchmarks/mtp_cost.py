@@ -3,7 +3,10 @@
 Windowed-MTP (arXiv 2607.21535) models a decode round as t_step = t_verify + t_ctx_draft + γ·t_fwd_draft: the
 target verifies γ+1 tokens on its full cache; the MTP head first absorbs the newly verified token(s) into its own
 cache (t_ctx_draft) and then drafts γ tokens. Native MTP attends over the whole MTP cache, so both draft terms grow
-with context; windowed MTP reads a sink + window ring, so they stay flat.
+with context; windowed MTP reads a sink + window ring, so they stay flat. Two windowed layouts are timed:
+`windowed` reads the ring in place (`cache_config={"static": True}`: the sink + ring buffer in slot order under a
+slot mask, `attn_implementation="budgetdraft_varlen"`), `windowed_gather` gathers `[sink, window, new]` into a fresh
+tensor at every draft forward (the dynamic ring layers) — the same keys, one copy of the window more per step.
 
 Costs depend on shapes, not values: the caches are filled with random keys/values of the given context length
 (no 64K prefill). `--shape` picks the target: `qwen3-0.6b` (default) has Qwen3-0.6B's layer shapes (hidden 1024,
@@ -13,12 +16,13 @@ shape (hidden 320), where per-op overhead, not attention, dominates. Draft step 
 (one MTP layer reused γ times, as SGLang/vLLM draft several tokens from DeepSeek-V3's single MTP layer). Both
 draft caches append in O(1) (native: preallocated `GrowableLayer`s, like a paged cache; transformers' own
 `MtpCache` copies its whole cache on every append, which would inflate the win), so the win is the attention read
-alone. Phases are timed interleaved (verify, native draft, windowed draft, ...) in `--repeats` blocks, each block
+alone. Phases are timed interleaved (verify, native draft, windowed drafts, ...) in `--repeats` blocks, each block
 rolled back with `crop`.
 
 Reports per context: t_verify (γ + 1 tokens) for γ = 1, 3 and `--gamma`; t_ctx_draft and mean t_fwd_draft per
 method with a least-squares fit of the draft time over γ = 1..`--gamma`, draft = c + γ·t_fwd (standard errors);
-win% = step_native / step_windowed − 1 at those γ; and the draft-KV bytes reclaimed (also as a share of all KV).
+win% = step_native / step_windowed − 1 at those γ (and at γ = `--gamma` for the gathering layout); and the draft-KV
+bytes reclaimed (also as a share of all KV).
 Run alone:
     python benchmarks/mtp_cost.py --threads 2 --output-dir bench-out
 """
@@ -122,7 +126,8 @@ def main() -> None:
         "--target-setup",
         choices=["fast", "stock"],
         default="fast",
-        help="target verification: 'fast' = budgetdraft_sdpa + GrowableCache (this package), 'stock' = sdpa + "
+        help="target verification: 'fast' = budgetdraft_varlen (budgetdraft_sdpa's CPU path + the static ring's slot "
+        "mask) + GrowableCache (this package), 'stock' = sdpa + "
         "DynamicCache (transformers' default)",
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -141,7 +146,7 @@ def main() -> None:
     config = target_config(args.shape, args.depth, max(args.contexts) + 64)
     target = Glm4MoeForCausalLM(config).eval()
     if args.target_setup == "fast":
-        target.set_attn_implementation("budgetdraft_sdpa")
+        target.set_attn_implementation("budgetdraft_varlen")  # the MTP head shares it (static ring needs it)
     mtp = MtpModel(target, args.depth).eval()
     heads, dim, hidden = config.num_key_value_heads, config.head_dim, config.hidden_size
     absorbed = args.accepted + 1  # the accepted tokens and the target's bonus token
@@ -158,12 +163,14 @@ def main() -> None:
             target_cache = DynamicCache(config=config)
         fill(target_cache, config.num_hidden_layers, context, heads, dim)
         mtp_config = config.get_mtp_config()
-        caches = {
-            "native": growable_mtp_cache(mtp_config, capacity),
-            "windowed": WindowedMtpCache(
-                config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack
-            ),
-        }
+        window = dict(config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack)
+        caches = {"native": growable_mtp_cache(mtp_config, capacity)}
+        if (
+            args.target_setup == "fast"
+        ):  # in place needs budgetdraft_varlen (stock sdpa cannot hide stale slots)
+            caches["windowed"] = WindowedMtpCache(**window, static=True)
+        caches["windowed_gather"] = WindowedMtpCache(**window)
+        windowed = "windowed" if "windowed" in caches else "windowed_gather"
         for cache in caches.values():
             fill(cache, args.depth, context, heads, dim)
 
@@ -224,18 +231,23 @@ def main() -> None:
             pairs = [(g, draft_s(method, i, g)) for i in range(args.repeats) for g in gammas]
             record[f"{method}_fit"] = fit_line([g for g, _ in pairs], [t for _, t in pairs])
             record[f"{method}_draft_kv_bytes"] = cache_nbytes(caches[method])
-        record["win_percent"] = {
-            g: 100 * (record["native_round_ms"][g] / record["windowed_round_ms"][g] - 1) for g in headline
-        }
+        record["windowed_layout"] = windowed
+        for method in ("windowed", "windowed_gather"):
+            if method in caches:
+                record[f"{method}_win_percent"] = {
+                    g: 100 * (record["native_round_ms"][g] / record[f"{method}_round_ms"][g] - 1)
+                    for g in headline
+                }
+        record["win_percent"] = record[f"{windowed}_win_percent"]
         total_native = cache_nbytes(target_cache) + record["native_draft_kv_bytes"]
-        reclaimed = record["native_draft_kv_bytes"] - record["windowed_draft_kv_bytes"]
+        reclaimed = record["native_draft_kv_bytes"] - record[f"{windowed}_draft_kv_bytes"]
         record["reclaimed_kv_bytes"] = reclaimed
         record["reclaimed_share_of_all_kv"] = reclaimed / total_native
         records.append(record)
         wins = ", ".join(f"γ={g} {w:+.0f}%" for g, w in record["win_percent"].items())
         print(
-            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd native/windowed "
-            f"{record['native_fwd_ms']:.2f}/{record['windowed_fwd_ms']:.2f} ms, win {wins}",
+            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd native/windowed/gather "
+            f"{' / '.join(format(record[m + '_fwd_ms'], '.2f') for m in caches)} ms, win ({windowed}) {wins}",
             flush=True,
         )
         del target_cache, caches
@@ -249,28 +261,41 @@ def main() -> None:
         "records": records,
     }
     (args.output_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    methods = [m for m in ("native", "windowed", "windowed_gather") if f"{m}_fwd_ms" in records[0]]
+    shown = " / ".join(m.replace("_", " ") for m in methods)
+    gather = "windowed_gather_win_percent" in records[0] and "windowed_win_percent" in records[0]
     rows = [
-        f"| context | t_verify at γ = {' / '.join(map(str, headline))} (ms) | t_ctx_draft native / windowed (ms) | t_fwd_draft native / windowed (ms) "
-        f"| fit t_fwd native / windowed (ms ± SE) | step native / windowed at γ={args.gamma} (ms) | "
-        f"win at γ = {' / '.join(map(str, headline))} | draft KV reclaimed (MiB, share of all KV) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| context | t_verify at γ = {' / '.join(map(str, headline))} (ms) | t_ctx_draft {shown} (ms) "
+        f"| t_fwd_draft {shown} (ms) | fit t_fwd {shown} (ms ± SE) | step {shown} at γ={args.gamma} (ms) "
+        f"| win at γ = {' / '.join(map(str, headline))}"
+        + (f" | win of windowed gather at γ={args.gamma}" if gather else "")
+        + " | draft KV reclaimed (MiB, share of all KV) |",
+        "|---|---|---|---|---|---|---|" + ("---|" if gather else "") + "---|",
     ]
     for r in records:
-        nf, wf = r["native_fit"], r["windowed_fit"]
         wins = " / ".join(f"{w:+.0f}%" for w in r["win_percent"].values())
-        rows.append(
-            f"| {r['context_length']} | {' / '.join(f'{v:.1f}' for v in r['verify_ms'].values())} | {r['native_ctx_ms']:.2f} / {r['windowed_ctx_ms']:.2f} "
-            f"| {r['native_fwd_ms']:.2f} / {r['windowed_fwd_ms']:.2f} | {nf['t_fwd_ms']:.2f} ± {nf['t_fwd_se_ms']:.2f} / "
-            f"{wf['t_fwd_ms']:.2f} ± {wf['t_fwd_se_ms']:.2f} | {r['native_round_ms'][args.gamma]:.1f} / "
-            f"{r['windowed_round_ms'][args.gamma]:.1f} | {wins} | "
-            f"{r['reclaimed_kv_bytes'] / 2**20:.1f} ({100 * r['reclaimed_share_of_all_kv']:.1f}%) |"
-        )
+        cells = [
+            str(r["context_length"]),
+            " / ".join(f"{v:.1f}" for v in r["verify_ms"].values()),
+            " / ".join(f"{r[f'{m}_ctx_ms']:.2f}" for m in methods),
+            " / ".join(f"{r[f'{m}_fwd_ms']:.2f}" for m in methods),
+            " / ".join(
+                f"{r[f'{m}_fit']['t_fwd_ms']:.2f} ± {r[f'{m}_fit']['t_fwd_se_ms']:.2f}" for m in methods
+            ),
+            " / ".join(f"{r[f'{m}_round_ms'][args.gamma]:.1f}" for m in methods),
+            wins,
+            *([f"{r['windowed_gather_win_percent'][args.gamma]:+.0f}%"] if gather else []),
+            f"{r['reclaimed_kv_bytes'] / 2**20:.1f} ({100 * r['reclaimed_share_of_all_kv']:.1f}%)",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
     rows.append("")
     rows.append(
         f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
-        f"{absorbed} tokens absorbed per round, target {args.target_setup}; random weights, caches filled with random "
-        "keys/values (cost depends on shapes only)."
+        f"{absorbed} tokens absorbed per round, target {args.target_setup}; windowed = the ring read in place "
+        "(static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the win column is "
+        f"{records[0]['windowed_layout'].replace('_', ' ')}'s; random weights, caches filled with random keys/values "
+        "(cost depends on shapes only)."
     )
     table = "\n".join(rows)
     (args.output_dir / f"{name}.md").write_text(table + "\n")

@@ -53,7 +53,7 @@ def _kv(n, generator):
 
 
 def _attend(query, keys, values, mask=None):
-    """`(1, H_kv * G, 1, D)` query over `(1, H_kv, K, D)` keys, KV heads repeated (the plain reference)."""
+    """`(1, H_kv * G, q, D)` queries over `(1, H_kv, K, D)` keys, KV heads repeated (the plain reference)."""
     keys, values = keys.repeat_interleave(GROUPS, dim=1), values.repeat_interleave(GROUPS, dim=1)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
 
@@ -92,15 +92,19 @@ def run_pair(dynamic, static, prefill, ops, seed, queries_for=None):
             assert out_dynamic[0].shape[2] == sizes_dynamic[0]
             if STATIC_LAYER_KWARG in attention_kwargs:  # a fixed-shape step: the whole buffer + its slot mask
                 steps += 1
-                assert tokens == 1 and out_static[0].shape[2] == static.num_slots and sizes_static[1] == 0
+                assert tokens <= SLACK and out_static[0].shape[2] == static.num_slots and sizes_static[1] == 0
                 assert attention_kwargs[STATIC_LAYER_KWARG] is static
-                mask = static.consume_key_mask()  # (1, 1, S + W + slack)
-                shown = _visible_in_position_order(static, mask)
-                for got, expected in zip(shown, out_dynamic, strict=True):
-                    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # bit for bit, same order
-                query = torch.randn(1, HEADS * GROUPS, 1, DIM, generator=generator)
+                mask = static.consume_key_mask()  # (1, 1, q, S + W + slack)
+                assert mask.shape == (1, 1, tokens, static.num_slots)
+                past = out_dynamic[0].shape[2] - tokens
+                for i in range(tokens):  # query i reads the past and the step's first i + 1 tokens
+                    shown = _visible_in_position_order(static, mask[:, :, i])
+                    for got, expected in zip(shown, out_dynamic, strict=True):
+                        torch.testing.assert_close(got, expected[:, :, : past + i + 1], rtol=0, atol=0)
+                query = torch.randn(1, HEADS * GROUPS, tokens, DIM, generator=generator)
+                causal = torch.ones(tokens, past + tokens, dtype=torch.bool).tril(past)
                 torch.testing.assert_close(
-                    _attend(query, *out_static, mask[:, :, None, :]), _attend(query, *out_dynamic)
+                    _attend(query, *out_static, mask), _attend(query, *out_dynamic, causal)
                 )
             else:  # a block: the dynamic layout itself
                 assert sizes_static == sizes_dynamic
@@ -323,7 +327,7 @@ def test_family_without_attention_kwargs_is_refused():
     model = AutoModelForCausalLM.from_config(config, attn_implementation="budgetdraft_varlen").eval()
     cache = SinkWindowCache(model.config, num_sink_tokens=2, window_length=8, static=True)
     with torch.no_grad():
-        model(random_prompt(6), cache=cache)
+        model(random_prompt(40), cache=cache)
         with pytest.raises(ValueError, match="Use static=False"):
             model(random_prompt(1), cache=cache)
 
@@ -332,7 +336,8 @@ def test_static_crop_errors_teach():
     layer = StaticSinkWindowLayer(num_sink_tokens=2, window_length=8, slack=4)
     generator = torch.Generator().manual_seed(0)
     layer.update(*_kv(40, generator))
-    layer.update(*_kv(4, generator))
+    layer.update(*_kv(4, generator), kwargs={})  # a step (<= slack tokens): it hands its mask to attention
+    assert layer.consume_key_mask().shape == (1, 1, 4, layer.num_slots)
     with pytest.raises(ValueError, match="larger `slack`"):
         layer.crop(-5)
     assert int(layer.get_seq_length()) == 44

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_layers import MtpModel
 
 from hf_budgetdraft import cache_nbytes, record_speculation
+from hf_budgetdraft.cache.static import StaticDraftLayer
 from hf_budgetdraft.generation.mtp import (
     WindowedMtpCache,
     expose_mtp_layers,
@@ -90,6 +91,57 @@ def test_windowed_mtp_is_lossless(family, num_mtp_layers, tmp_root):
     assert stats.rounds > 0 and max(stats.proposed_per_round) == num_mtp_layers
 
 
+@pytest.mark.parametrize("num_mtp_layers", [1, 2])
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
+    family, num_mtp_layers, tmp_root, monkeypatch
+):
+    """`cache_config={"static": True}`: every draft forward after the prefill (one-token steps and the multi-token
+    absorption of a round's verified tokens) is a slot-order step, and the drafts equal the dynamic ring's."""
+    model = load(family, tmp_root, num_mtp_layers)
+    ids = random_prompt(400)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=32)
+    _, dynamic_stats = generate(
+        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=WINDOW
+    )
+    model.set_attn_implementation("budgetdraft_varlen")
+    forwards = []
+    step, block = StaticDraftLayer._step, StaticDraftLayer._update_block
+    monkeypatch.setattr(
+        StaticDraftLayer,
+        "_step",
+        lambda self, k, *a: forwards.append(("step", k.shape[-2])) or step(self, k, *a),
+    )
+    monkeypatch.setattr(
+        StaticDraftLayer,
+        "_update_block",
+        lambda self, k, v: forwards.append(("block", k.shape[-2])) or block(self, k, v),
+    )
+    out, stats = generate(
+        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config={**WINDOW, "static": True}
+    )
+    assert torch.equal(out, expected)
+    assert stats.accepted_per_round == dynamic_stats.accepted_per_round
+    assert stats.proposed_per_round == dynamic_stats.proposed_per_round
+    blocks = [n for kind, n in forwards if kind == "block"]
+    assert (
+        blocks == [ids.shape[1]] * num_mtp_layers or blocks == [ids.shape[1] - 1] * num_mtp_layers
+    )  # prefills
+    assert sum(kind == "step" for kind, _ in forwards) >= stats.rounds - 2  # every later forward: in place
+
+
+def test_static_windowed_mtp_needs_varlen_attention(tmp_root):
+    model = load("glm4_moe", tmp_root)
+    with pytest.raises(ValueError, match="budgetdraft_varlen"):
+        model.generate(
+            random_prompt(64),
+            max_new_tokens=4,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config={**WINDOW, "static": True},
+        )
+
+
 @pytest.mark.parametrize("family", list(MTP_FAMILIES))
 def test_window_covering_everything_reproduces_native_mtp(family, tmp_root):
     model = load(family, tmp_root)
@@ -140,7 +192,7 @@ def test_bad_mtp_input(tmp_root):
         )
     with pytest.raises(ValueError, match="a budgeted MTP cache is not implemented"):
         model.generate(ids, max_new_tokens=4, use_mtp=True, cache_implementation="budgeted")
-    with pytest.raises(ValueError, match=r"cache_config keys \['budget'\]"):
+    with pytest.raises(ValueError, match=r"cache_config keys \['budget'\] .* static"):
         model.generate(
             ids,
             max_new_tokens=4,

@@ -23,10 +23,11 @@ re-expansion with the same semantics that runs anywhere (the CPU fallback and th
 `budgetdraft_varlen_attention_forward` is the transformers attention function (`attn_implementation=
 "budgetdraft_varlen"`, registered by `import hf_budgetdraft`):
 
-- one-token steps of a *static* draft cache (`cache_config={"static": True}`): the cache layer returns its fixed
-  `[static slots | ring slots]` buffers and hands its slot-visibility mask to this function through the attention
-  kwargs (`STATIC_LAYER_KWARG`); the step runs as one masked SDPA with the query heads folded into rows (no KV
-  repeat, no data-dependent shape: `torch.compile(fullgraph=True)` / CUDA-graph friendly);
+- steps of a *static* draft cache (`cache_config={"static": True}`; one token, or up to `slack` tokens such as an MTP
+  head absorbing a round's verified tokens): the cache layer returns its fixed `[static slots | ring slots]` buffers
+  and hands its `(q, slots)` visibility mask to this function through the attention kwargs (`STATIC_LAYER_KWARG`);
+  the step runs as one masked SDPA with the query heads folded into rows (no KV repeat, no copy of the window, no
+  data-dependent shape: `torch.compile(fullgraph=True)` / CUDA-graph friendly);
 - everything else with no mask (a plain lower-right causal block over the keys the cache returned) goes to the
   varlen kernel on CUDA in fp16/bf16 (uniform segments: no packing sync), and to `budgetdraft_sdpa` (the fast CPU
   path) otherwise; a real mask (padding, sliding window, a training view's windowed mask) runs `budgetdraft_sdpa`'s
@@ -506,17 +507,20 @@ def budgetdraft_varlen_mask(
 def _folded_masked_step(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor, scaling
 ) -> torch.Tensor:
-    """One query token over masked keys, the query heads of each KV head folded into rows (no KV repeat).
+    """A step's `q` queries over masked keys, the query heads of each KV head folded into rows (no KV repeat).
 
-    query `(B, H_q, 1, D)`, key/value `(B, H_kv, K, D)`, key_valid `(1 or B, 1 or H_kv, K)`; returns `(B, 1, H_q, D_v)`.
+    query `(B, H_q, q, D)`, key/value `(B, H_kv, K, D)`, key_valid `(1 or B, 1 or H_kv, q, K)`; returns
+    `(B, q, H_q, D_v)`.
     """
-    batch, num_heads, _, dim = query.shape
+    batch, num_heads, q_length, dim = query.shape
     num_kv_heads = key.shape[1]
-    grouped = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, dim)  # (B, H_kv, G, D)
-    out = F.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=key_valid[:, :, None, :], scale=scaling
-    )
-    return out.reshape(batch, 1, num_heads, value.shape[-1])  # (B, 1, H_q, D_v)
+    groups = num_heads // num_kv_heads
+    grouped = query.reshape(batch, num_kv_heads, groups * q_length, dim)  # (B, H_kv, G*q, D), row g*q + i
+    mask = (
+        key_valid.repeat(1, 1, groups, 1) if q_length > 1 else key_valid
+    )  # row g*q + i reads query i's mask
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return _out_layout(out.reshape(batch, num_heads, q_length, value.shape[-1]))  # (B, q, H_q, D_v)
 
 
 def _needs_eager(module: torch.nn.Module, kwargs: dict) -> bool:
@@ -527,12 +531,12 @@ def _needs_eager(module: torch.nn.Module, kwargs: dict) -> bool:
 
 
 def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> torch.Tensor:
-    """Attention of a static draft cache's one-token step over its fixed `[static | ring]` buffers."""
-    key_valid = static_layer.consume_key_mask()  # (1 or B, 1 or H_kv, K): the slots this step may read
-    if query.shape[2] != 1:
+    """Attention of a static draft cache's step (`q` tokens) over its fixed `[static | ring]` buffers."""
+    key_valid = static_layer.consume_key_mask()  # (1 or B, 1 or H_kv, q, K): the slots each query may read
+    if key_valid.shape[2] != query.shape[2]:
         raise ValueError(
-            f"a static draft cache hands over a slot mask only for one-token steps, got {query.shape[2]} queries; "
-            "this is a bug in the static cache layer"
+            f"a static draft cache step handed over a slot mask for {key_valid.shape[2]} queries but attention got "
+            f"{query.shape[2]}; this is a bug in the static cache layer"
         )
     if _needs_eager(module, kwargs):
         # logit softcapping / attention sinks: the family's own eager attention, the slot mask made additive
@@ -547,15 +551,16 @@ def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> 
             query,
             key,
             value,
-            _as_additive(mask[:, :, None, :], query.dtype),
+            _as_additive(mask, query.dtype),
             dropout=0.0,
             scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
             **kwargs,
         )
         return out
-    if _backend in ("flash_attn", "torch_varlen", "sdpa_packed") and not torch.compiler.is_compiling():
+    packed = _backend in ("flash_attn", "torch_varlen", "sdpa_packed") and not torch.compiler.is_compiling()
+    if packed and query.shape[2] == 1:  # one key set per segment: a one-token step
         return sparse_varlen_attention(
-            query, key, value, key_valid, causal=False, scale=scaling, backend=_backend
+            query, key, value, key_valid[:, :, 0], causal=False, scale=scaling, backend=_backend
         )
     return _folded_masked_step(query, key, value, key_valid, scaling)
 

@@ -7,25 +7,29 @@ buffer per layer:
 
     keys, values: (B, H_kv, S + W + slack, D) = [S static slots (sink / kept prefix) | W + slack ring slots]
 
-A **one-token step** writes the new key into its slot (a sink slot while `L < S`, else ring slot
-`S + (L - ring_start) mod (W + slack)`) and returns the whole buffer in slot order; no Python number changes: the
+A **step** of `q <= slack` tokens (a one-token decode step, an MTP head absorbing a round's verified tokens) writes
+each new key into its slot (a sink slot while `p < S`, else ring slot `S + (p - ring_start) mod (W + slack)`) and
+returns the whole buffer in slot order — no copy of the window, whatever its size; no Python number changes: the
 logical length, the ring start and the position held by each ring slot are device tensors updated in place, so a
-compiled step (`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the context grows. The slots a
-query at position `p` may read are
+compiled one-token step (`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the context grows.
+`q <= slack` keeps the block's own writes off every slot its first query still reads. The slots a query at
+position `p` may read are
 
     static slot j:  j <= p (sink) or j < num_kept (budgeted prefix)
-    ring slot:      ring_start <= pos <= p and pos >= p - W     (pos = the position the slot holds, -1 = empty)
+    ring slot:      ring_start <= pos <= p and pos >= p0 - W     (pos = the position the slot holds, -1 = empty;
+                                                                  p0 = the step's first position)
 
-— the dynamic layer's `[sink, window, new]` keys, and nothing stale (empty slots, tokens rolled back by `crop`,
-tokens older than the window). The step hands that mask to the attention function through the attention kwargs
+— the dynamic layer's `[sink, window, new]` keys (causal within the block), and nothing stale (empty slots, tokens
+rolled back by `crop`, tokens older than the window). The step hands that `(q, slots)` mask to the attention
+function through the attention kwargs
 (`STATIC_LAYER_KWARG`); it is read by `attn_implementation="budgetdraft_varlen"` (one masked SDPA, or a varlen
 kernel), which is why a static cache refuses any other attention implementation: stock `sdpa`/`eager` would read
 the stale slots. Model families whose attention does not pass its kwargs to `cache.update` (GPT-NeoX) cannot run a
 static cache.
 
-**Multi-token forwards** (the prefill, a draft block of several tokens) return `[visible past, new]` exactly like
-the dynamic layers (they read lengths on the host and are not meant to be compiled). `get_mask_sizes` follows the
-same split: `(S + W + slack, 0)` for a one-token step, the dynamic sizes otherwise. `crop(-n)` is exact within the
+**Longer forwards** (the prefill, blocks of more than `slack` tokens) return `[visible past, new]` exactly like the
+dynamic layers (they read lengths on the host and are not meant to be compiled). `get_mask_sizes` follows the same
+split: `(S + W + slack, 0)` for a step, the dynamic sizes otherwise. `crop(-n)` is exact within the
 slack and raises beyond it, like the dynamic layers.
 """
 
@@ -90,6 +94,7 @@ class StaticDraftLayer(CacheLayerMixin):
         )
         self.num_static: torch.Tensor | None = None  # () long: filled static slots (budgeted)
         self._awaiting_attention = False  # a step handed over its slot mask and no attention read it yet
+        self._step_tokens = 1  # tokens of the last step (its queries are the last `q` positions)
 
     # -- subclass hooks ------------------------------------------------------------------------------------------
     def _initial_ring_start(self) -> int:
@@ -100,7 +105,7 @@ class StaticDraftLayer(CacheLayerMixin):
         raise NotImplementedError
 
     def _static_visible(self, position: torch.Tensor) -> torch.Tensor:
-        """`(S,)` bool: static slots a query at `position` reads."""
+        """`(q, S)` bool: static slots the queries at `position` `(q, 1)` read."""
         raise NotImplementedError
 
     def _num_static_visible(self, length: int) -> int:
@@ -119,6 +124,7 @@ class StaticDraftLayer(CacheLayerMixin):
         self.ring_positions = torch.full((self.capacity,), -1, **long)
         self.num_static = torch.zeros((), **long)
         self._static_slots = torch.arange(self.static_capacity, **long)
+        self._offsets = torch.arange(self.slack, **long)  # a step's tokens sit at length + offsets[:q]
         if (
             not torch.compiler.is_compiling()
         ):  # fixed data pointers: in-place updates never break a CUDA graph
@@ -134,29 +140,35 @@ class StaticDraftLayer(CacheLayerMixin):
         self.is_initialized = True
 
     # -- the slot mask -------------------------------------------------------------------------------------------
-    def key_mask(self, position: torch.Tensor | int) -> torch.Tensor:
-        """`(1, 1, S + W + slack)` bool: the slots a query at `position` reads (its own key included)."""
-        ring = self.ring_positions
-        ring_visible = (ring >= self.ring_start) & (ring <= position) & (ring >= position - self.window)
-        return torch.cat([self._static_visible(torch.as_tensor(position, device=ring.device)), ring_visible])[
-            None, None
-        ]
+    def key_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """`(1, 1, q, S + W + slack)` bool: the slots a step's queries at consecutive `positions` `(q,)` read — the
+        window before the step's first token, then the step's own tokens causally (the dynamic layers' keys)."""
+        ring = self.ring_positions[None]  # (1, W + slack)
+        position = positions[:, None]  # (q, 1)
+        oldest = positions[:1, None] - self.window  # (1, 1): the window of the step's first query
+        ring_visible = (ring >= self.ring_start) & (ring <= position) & (ring >= oldest)
+        return torch.cat([self._static_visible(position), ring_visible], dim=-1)[None, None]
 
     def consume_key_mask(self) -> torch.Tensor:
-        """Called by the attention function of the step that just ran `update`: the mask of its query."""
+        """Called by the attention function of the step that just ran `update`: `(1, 1, q, S + W + slack)`, the mask
+        of its `q` queries."""
         self._awaiting_attention = False
-        return self.key_mask(self.length - 1)
+        return self.key_mask(self.length - self._step_tokens + self._offsets[: self._step_tokens])
 
     # -- updates -------------------------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token: write it, return the `(B, H, S + W + slack, D)` buffers. Several: return `[visible past, new]`."""
+        """A step of `q <= slack` tokens: write them, return the `(B, H, S + W + slack, D)` buffers (the slot mask
+        goes to the attention function). Longer: return `[visible past, new]`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[-2] == 1 and self._steps_statically():
+        if self._is_step(key_states.shape[-2]):
             return self._step(key_states, value_states, kwargs.get("kwargs"))
         return self._update_block(key_states, value_states)
+
+    def _is_step(self, tokens: int) -> bool:
+        return tokens <= self.slack and self._steps_statically()
 
     def _step(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None):
         if attention_kwargs is None:
@@ -171,18 +183,18 @@ class StaticDraftLayer(CacheLayerMixin):
                 f"stale slots: the drafter is not running attn_implementation={VARLEN_NAME!r}. Load it with "
                 f"attn_implementation={VARLEN_NAME!r}, or use static=False"
             )
-        position = self.length  # () long: the new token's position
-        in_ring = position >= self.ring_start
-        ring_slot = (position - self.ring_start).remainder(self.capacity).reshape(1)  # (1,)
-        slot = torch.where(
-            in_ring, ring_slot + self.static_capacity, position
-        )  # (1,): sink slot p while p < S
+        tokens = key_states.shape[-2]
+        positions = self.length + self._offsets[:tokens]  # (q,) long: the new tokens' positions
+        in_ring = positions >= self.ring_start
+        ring_slots = (positions - self.ring_start).remainder(self.capacity)  # (q,), distinct: q <= slack
+        slots = torch.where(in_ring, ring_slots + self.static_capacity, positions)  # sink slot p while p < S
         # stored detached: backpropagation goes through the keys `update` returns, never into the buffer
-        self.keys.index_copy_(2, slot, key_states.detach())
-        self.values.index_copy_(2, slot, value_states.detach())
-        held = self.ring_positions.index_select(0, ring_slot)
-        self.ring_positions.index_copy_(0, ring_slot, torch.where(in_ring, position, held))
-        self.length.add_(1)
+        self.keys.index_copy_(2, slots, key_states.detach())
+        self.values.index_copy_(2, slots, value_states.detach())
+        held = self.ring_positions.index_select(0, ring_slots)
+        self.ring_positions.index_copy_(0, ring_slots, torch.where(in_ring, positions, held))
+        self.length.add_(tokens)
+        self._step_tokens = tokens
         self._awaiting_attention = True
         attention_kwargs[STATIC_LAYER_KWARG] = self
         return self.keys, self.values
@@ -244,7 +256,7 @@ class StaticDraftLayer(CacheLayerMixin):
         return self._num_static_visible(length) + max(0, length - self._window_start(length))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if query_length == 1 and self._steps_statically():
+        if self._is_step(query_length):
             return self.num_slots, 0
         length = int(self.length) if self.is_initialized else 0
         num_past = self.num_visible_past(length)
@@ -350,7 +362,8 @@ class StaticBudgetedLayer(PrefixSelection, StaticDraftLayer):
         return self.prefilled
 
     def _static_visible(self, position: torch.Tensor) -> torch.Tensor:
-        return self._static_slots < self.num_static  # the kept prefix, always visible after the prefill
+        # the kept prefix, always visible after the prefill
+        return (self._static_slots < self.num_static).expand(position.shape[0], -1)
 
     def _num_static_visible(self, length: int) -> int:
         return self.num_kept

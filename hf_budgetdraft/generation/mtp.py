@@ -5,6 +5,11 @@ whose depth-k layer runs k+1 tokens ahead of the main model. `WindowedMtpCache` 
 `SinkWindowLayer`s, so the draft's attention cost and memory stop growing with context; the target still verifies
 every token with full attention (lossless by construction). A window covering the whole context reproduces native
 MTP exactly.
+
+`cache_config={"static": True}` (with the model loaded with `attn_implementation="budgetdraft_varlen"`) keeps the
+ring in slot order: each draft step — and the step that absorbs a round's verified tokens — reads the sink + ring
+buffer in place under a slot mask instead of gathering `[sink, window, new]` into a fresh tensor, a copy of the
+whole window per step (at W = 4,032 on CPU ~2 ms of a 13.5 ms step, benchmarks/mtp_cost.py).
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ class WindowedMtpCache(SinkWindowCache):
 def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -> WindowedMtpCache:
     """The windowed cache for `main_model`'s MTP layers, from `generate()`'s `cache_config`."""
     options = dict(cache_config or {})
-    unknown = sorted(set(options) - {"num_sink_tokens", "window_length", "slack"})
+    unknown = sorted(set(options) - {"num_sink_tokens", "window_length", "slack", "static"})
     if unknown:
         raise ValueError(
-            f"cache_config keys {unknown} are not options of windowed MTP; accepted: num_sink_tokens, window_length, slack"
+            f"cache_config keys {unknown} are not options of windowed MTP; accepted: num_sink_tokens, window_length, "
+            "slack, static"
         )
     num_mtp_layers = main_model.config.get_text_config().num_mtp_layers
     # multi-depth MTP rolls its cache back by `num_mtp_layers` tokens when a chain is rejected
