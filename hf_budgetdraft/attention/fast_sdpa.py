@@ -147,12 +147,26 @@ def _out_layout(attn_output: torch.Tensor) -> torch.Tensor:
     return attn_output.transpose(1, 2).contiguous()
 
 
-def _grouped_no_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
-    """Unmasked attention of `(B, H_q, q, D)` queries over `(B, H_kv, kv, D)` keys without repeating KV."""
+def _grouped(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `(B, H_q, q, D)` queries over `(B, H_kv, kv, D)` keys without repeating KV: the query heads of
+    each KV head folded into rows. `key_valid` `(1 or B, 1 or H_kv, q, kv)` bool, optional: the keys each query
+    may read (no causal mask otherwise). Returns `(B, H_q, q, D_v)`."""
     batch, num_heads, q_length, _ = query.shape
     groups = num_heads // key.shape[1]
-    grouped = query.reshape(batch, key.shape[1], groups * q_length, query.shape[-1])  # (B, H_kv, G*q, D)
-    out = F.scaled_dot_product_attention(grouped, key, value, scale=scaling)  # (B, H_kv, G*q, D_v)
+    grouped = query.reshape(
+        batch, key.shape[1], groups * q_length, query.shape[-1]
+    )  # (B, H_kv, G*q, D), row g*q+i
+    if key_valid is not None and q_length > 1:
+        key_valid = key_valid.repeat(1, 1, groups, 1)  # row g*q + i reads query i's keys
+    out = F.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=key_valid, scale=scaling
+    )  # (B, H_kv, G*q, D_v)
     return out.reshape(batch, num_heads, q_length, value.shape[-1])  # (B, H_q, q, D_v)
 
 
@@ -286,7 +300,7 @@ def budgetdraft_sdpa_attention_forward(
 
     # 4. no mask: non-causal, one query, prefill, or a block of new tokens after a past
     if not is_causal or q_length == 1:
-        return _out_layout(_grouped_no_mask(query, key, value, scaling)), None
+        return _out_layout(_grouped(query, key, value, scaling)), None
     if q_length == kv_length:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
         return _out_layout(out), None

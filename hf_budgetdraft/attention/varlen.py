@@ -53,6 +53,7 @@ from .fast_sdpa import (
     _IGNORED_KWARGS,
     _as_additive,
     _eager_for,
+    _grouped,
     _out_layout,
     budgetdraft_sdpa_attention_forward,
     budgetdraft_sdpa_mask,
@@ -504,25 +505,6 @@ def budgetdraft_varlen_mask(
     )
 
 
-def _folded_masked_step(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_valid: torch.Tensor, scaling
-) -> torch.Tensor:
-    """A step's `q` queries over masked keys, the query heads of each KV head folded into rows (no KV repeat).
-
-    query `(B, H_q, q, D)`, key/value `(B, H_kv, K, D)`, key_valid `(1 or B, 1 or H_kv, q, K)`; returns
-    `(B, q, H_q, D_v)`.
-    """
-    batch, num_heads, q_length, dim = query.shape
-    num_kv_heads = key.shape[1]
-    groups = num_heads // num_kv_heads
-    grouped = query.reshape(batch, num_kv_heads, groups * q_length, dim)  # (B, H_kv, G*q, D), row g*q + i
-    mask = (
-        key_valid.repeat(1, 1, groups, 1) if q_length > 1 else key_valid
-    )  # row g*q + i reads query i's mask
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
-    return _out_layout(out.reshape(batch, num_heads, q_length, value.shape[-1]))  # (B, q, H_q, D_v)
-
-
 def _needs_eager(module: torch.nn.Module, kwargs: dict) -> bool:
     """Logit softcapping or attention sinks: features only the family's eager attention computes."""
     return any(kwargs.get(name) is not None for name in _EAGER_ONLY_KWARGS) or isinstance(
@@ -562,7 +544,9 @@ def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> 
         return sparse_varlen_attention(
             query, key, value, key_valid[:, :, 0], causal=False, scale=scaling, backend=_backend
         )
-    return _folded_masked_step(query, key, value, key_valid, scaling)
+    return _out_layout(
+        _grouped(query, key, value, scaling, key_valid)
+    )  # heads folded into rows, KV read once
 
 
 def _packable(module, query, key, attention_mask, dropout, kwargs) -> bool:
