@@ -165,9 +165,8 @@ def main() -> None:
         mtp_config = config.get_mtp_config()
         window = dict(config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack)
         caches = {"native": growable_mtp_cache(mtp_config, capacity)}
-        if (
-            args.target_setup == "fast"
-        ):  # in place needs budgetdraft_varlen (stock sdpa cannot hide stale slots)
+        # reading the ring in place needs budgetdraft_varlen (stock sdpa cannot hide the stale slots)
+        if args.target_setup == "fast":
             caches["windowed"] = WindowedMtpCache(**window, static=True)
         caches["windowed_gather"] = WindowedMtpCache(**window)
         windowed = "windowed" if "windowed" in caches else "windowed_gather"
@@ -246,7 +245,7 @@ def main() -> None:
         records.append(record)
         wins = ", ".join(f"γ={g} {w:+.0f}%" for g, w in record["win_percent"].items())
         print(
-            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd native/windowed/gather "
+            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd {'/'.join(caches)} "
             f"{' / '.join(format(record[m + '_fwd_ms'], '.2f') for m in caches)} ms, win ({windowed}) {wins}",
             flush=True,
         )

@@ -159,14 +159,11 @@ def _grouped(
     may read (no causal mask otherwise). Returns `(B, H_q, q, D_v)`."""
     batch, num_heads, q_length, _ = query.shape
     groups = num_heads // key.shape[1]
-    grouped = query.reshape(
-        batch, key.shape[1], groups * q_length, query.shape[-1]
-    )  # (B, H_kv, G*q, D), row g*q+i
+    # (B, H_kv, G*q, D): row g*q + i is query i of group member g
+    grouped = query.reshape(batch, key.shape[1], groups * q_length, query.shape[-1])
     if key_valid is not None and q_length > 1:
         key_valid = key_valid.repeat(1, 1, groups, 1)  # row g*q + i reads query i's keys
-    out = F.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=key_valid, scale=scaling
-    )  # (B, H_kv, G*q, D_v)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=key_valid, scale=scaling)
     return out.reshape(batch, num_heads, q_length, value.shape[-1])  # (B, H_q, q, D_v)
 
 

@@ -544,9 +544,8 @@ def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> 
         return sparse_varlen_attention(
             query, key, value, key_valid[:, :, 0], causal=False, scale=scaling, backend=_backend
         )
-    return _out_layout(
-        _grouped(query, key, value, scaling, key_valid)
-    )  # heads folded into rows, KV read once
+    # query heads folded into rows: KV read once
+    return _out_layout(_grouped(query, key, value, scaling, key_valid))
 
 
 def _packable(module, query, key, attention_mask, dropout, kwargs) -> bool:
