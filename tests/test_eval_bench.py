@@ -13,7 +13,7 @@ from hf_budgetdraft.cli import main
 from hf_budgetdraft.eval import bench
 from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, _bundled_tokenizer, run_bench
 from hf_budgetdraft.eval.report import PLOTS, REQUIRED_FIELDS
-from hf_budgetdraft.eval.runners import MethodSpec, run_ar
+from hf_budgetdraft.eval.runners import MethodSpec, run_ar, sparse_cache_config
 from hf_budgetdraft.random_models import smoke_pair
 
 EXTRA_FIELDS = (
@@ -285,6 +285,40 @@ def test_method_spec_labels_and_errors():
         MethodSpec("assisted", "sink_window", gamma=2)
     with pytest.raises(ValueError, match="method must be one of"):
         MethodSpec("medusa")
+    compiled = MethodSpec("assisted", "budgeted", "chunk", 96, 4, drafter="drafter", compiled=True)
+    assert compiled.label == "budgeted/chunk+compiled B=96 γ=4" and not compiled.native_counterpart().compiled
+    assert sparse_cache_config(compiled, 4, 64)["static"] is True
+    with pytest.raises(ValueError, match="compiled=True needs method 'assisted' with a sparse draft cache"):
+        MethodSpec("assisted", "full", gamma=2, compiled=True)
+
+
+def test_compiled_draft_runs_beside_the_eager_draft_and_stays_lossless(tmp_path):
+    """`--compiled_draft`: every sparse draft also runs on a static cache with a compiled (inductor) one-token step,
+    interleaved with the eager one; the drafters switch to the varlen attention; outputs stay the target's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    args = BenchArguments(
+        preset="smoke",
+        output_dir=str(tmp_path),
+        contexts=[256],
+        budgets=[96],
+        gammas=[4],
+        policies=["chunk"],
+        methods=["budgeted"],
+        tasks=["document"],
+        compiled_draft=True,
+        plots=False,
+        progress=False,
+    )
+    result = run_bench(args)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1  # the one-token draft step, compiled once for the whole grid
+    labels = {r["label"] for r in result.records}
+    assert labels == {"ar", "budgeted/chunk B=96 γ=4", "budgeted/chunk+compiled B=96 γ=4"}
+    assert result.ok  # every greedy-diff cell 0
+    compiled = [r for r in result.records if r["compiled"]]
+    assert compiled and all(r["mean_accepted_length"] > 1 for r in compiled)
 
 
 def test_full_preset_without_data_runs_the_passkey_tasks_only(capsys):

@@ -7,7 +7,8 @@
 - compile: the one-token decode step compiles with `torch.compile(fullgraph=True)` into one graph that is reused
   at every context length (sink filling, ring wrapping, rollbacks), and computes the dynamic cache's logits;
 - generation: greedy speculative decoding with a static draft cache equals the target's greedy output and drafts
-  exactly what the dynamic cache drafts, also with transformers' own auto-compiled decode loop;
+  exactly what the dynamic cache drafts, also with its one-token draft step compiled (once) when a `compile_config`
+  asks for it;
 - errors that teach: wrong attention implementation, a family that hides its attention kwargs, bad switches.
 """
 
@@ -273,20 +274,35 @@ def test_static_greedy_equals_target_and_drafts_like_dynamic(family, case):
     assert 0 < sum(accepted) < 3 * len(accepted)  # some drafts accepted, some rejected: the check can fail
 
 
-def test_generate_auto_compiles_the_static_draft_once(fresh_dynamo):
-    """transformers' own decode loop compiles the draft's forward (fullgraph) for a static cache: one graph for a
-    whole speculative generation, and the output is still the target's."""
-    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=3)
-    drafter.set_attn_implementation("budgetdraft_varlen")
+@pytest.mark.parametrize("where", ["drafter", "auto", "disabled"])
+def test_static_draft_step_compiles_once_when_asked(where, fresh_dynamo):
+    """A `compile_config` on the drafter's generation config compiles the static draft's one-token step, CPU
+    included: one graph for a whole speculative generation (contexts grow, the ring wraps, rounds roll back), the
+    output is still the target's and every draft is the eager draft's. On CPU without one (`auto`: transformers
+    compiles only on accelerators) or with `generate(..., disable_compile=True)`, nothing is compiled."""
+    target, drafter = model_pair("llama", "budgetdraft_varlen", num_assistant_tokens=3)
     backend, graphs = graph_counter()
-    compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None)
-    compile_config._compile_all_devices = True  # compile on CPU too (CUDA compiles by default)
-    drafter.generation_config.compile_config = compile_config
+    kwargs = {"disable_compile": True} if where == "disabled" else {}
+    if where != "auto":
+        drafter.generation_config.compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     ids = random_prompt(PROMPT_LENGTH, seed=1)
-    implementation, cache_config = STATIC_CASES["sink_window"]
-    out, accepted = _speculate(target, drafter, ids, implementation, {**cache_config, "static": True})
+    implementation, cache_config = STATIC_CASES["budgeted-chunk"]
+    cache_config = {**cache_config, "static": True}
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            cache_implementation=implementation,
+            cache_config=cache_config,
+            **kwargs,
+        )
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
-    assert len(graphs) == 1 and len(accepted) > 5
+    assert len(graphs) == (1 if where == "drafter" else 0)
+    drafter.generation_config.compile_config = None
+    _, eager_accepted = _speculate(target, drafter, ids, implementation, cache_config)
+    assert stats.accepted_per_round == eager_accepted and len(eager_accepted) > 5
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..attention.varlen import NAME as VARLEN_NAME
 from ..cache.base import MAX_CACHE_TOKENS
 from ..cache.policies import POLICIES
 from .greedy_diff import divergence_margin, noise_envelope, token_diff
@@ -183,6 +184,14 @@ class BenchArguments:
         metadata={
             "help": "Attention of the target(s) for every method alike, AR included (e.g. budgetdraft_sdpa: cheap "
             "verification on CPU); default: as loaded."
+        },
+    )
+    compiled_draft: bool = field(
+        default=False,
+        metadata={
+            "help": "Also run every sparse draft on a static cache with its one-token step torch.compile'd (CPU "
+            "included; labels '+compiled'), interleaved with the eager runs. The drafters then run "
+            "budgetdraft_varlen attention (what a static draft cache needs) in every method."
         },
     )
     passkey_depth: float = field(
@@ -407,6 +416,13 @@ def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     if args.target_attn_implementation is not None:
         for model in models.targets.values():
             model.set_attn_implementation(args.target_attn_implementation)
+    if args.compiled_draft:
+        for model in models.drafters.values():
+            model.set_attn_implementation(VARLEN_NAME)
+        # one graph per static-cache shape (budget) and drafter: room for the whole grid before dynamo gives up
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 4 * len(args.budgets) * len(models.drafters)
+        )
     return models
 
 
@@ -452,15 +468,31 @@ def build_specs(args: BenchArguments, models: BenchModels) -> list[MethodSpec]:
             if "native" in args.methods:
                 specs.append(MethodSpec("assisted", "full", gamma=gamma, drafter=drafter))
             for budget in args.budgets:
-                if "sink_window" in args.methods:
-                    specs.append(
-                        MethodSpec("assisted", "sink_window", budget=budget, gamma=gamma, drafter=drafter)
-                    )
-                if "budgeted" in args.methods:
-                    for policy in args.policies:
+                for compiled in (False, True) if args.compiled_draft else (False,):
+                    if "sink_window" in args.methods:
                         specs.append(
-                            MethodSpec("assisted", "budgeted", policy, budget, gamma, drafter=drafter)
+                            MethodSpec(
+                                "assisted",
+                                "sink_window",
+                                budget=budget,
+                                gamma=gamma,
+                                drafter=drafter,
+                                compiled=compiled,
+                            )
                         )
+                    if "budgeted" in args.methods:
+                        for policy in args.policies:
+                            specs.append(
+                                MethodSpec(
+                                    "assisted",
+                                    "budgeted",
+                                    policy,
+                                    budget,
+                                    gamma,
+                                    drafter=drafter,
+                                    compiled=compiled,
+                                )
+                            )
     if "prompt_lookup" in args.methods:
         specs += [MethodSpec("prompt_lookup", gamma=gamma) for gamma in args.gammas]
     if "mtp" in args.methods and "mtp" in models.targets:
@@ -569,6 +601,7 @@ def make_records(
                     "budget": spec.budget,
                     "context_length": context,
                     "gamma": spec.gamma,
+                    "compiled": spec.compiled,
                     "repeat": repeat,
                     "new_tokens": len(run.new_ids),
                     "diff_tokens": diff.diff_tokens,

@@ -8,6 +8,7 @@
 | `assisted`, cache `full` ("native")       | stock transformers assisted generation, the drafter on its own full cache    |
 | `assisted`, cache `sink_window`           | the drafter reads sink + window (`cache_implementation="sink_window"`)       |
 | `assisted`, cache `budgeted` + policy     | the drafter reads a budgeted selection (`cache_implementation="budgeted"`)   |
+| `assisted`, sparse cache, `compiled`      | the same on a static draft cache, the one-token draft step `torch.compile`d  |
 | `prompt_lookup`                           | transformers' prompt-lookup decoding (n-gram drafts from the prompt)         |
 | `mtp`, cache `full` / `sink_window`       | `generate(use_mtp=True)`: native MTP vs Windowed-MTP (arXiv 2607.21535)       |
 
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache.base import cache_nbytes
@@ -54,6 +56,8 @@ class MethodSpec:
         drafter (`str`, *optional*): which drafter (assisted only).
         ar_setup (`str`, *optional*): AR only: `stock` (sdpa attention) or `growable` (the fast target cache); `None`
             = the target as loaded on transformers' default cache, the reference every run is compared with.
+        compiled (`bool`): sparse assisted runs only: the draft cache is static (`cache_config={"static": True}`;
+            the drafter must run `budgetdraft_varlen` attention) and its one-token step is `torch.compile`d.
     """
 
     method: str
@@ -64,6 +68,7 @@ class MethodSpec:
     target: str = "target"
     drafter: str | None = None
     ar_setup: str | None = None
+    compiled: bool = False
 
     def __post_init__(self):
         if self.ar_setup is not None and (self.method != "ar" or self.ar_setup not in AR_SETUPS):
@@ -76,6 +81,10 @@ class MethodSpec:
             raise ValueError(f"cache={self.cache!r} needs a budget > 0, got {self.budget}")
         if self.cache == "budgeted" and not self.policy:
             raise ValueError("cache='budgeted' needs a policy (chunk, streaming or snapkv)")
+        if self.compiled and not (self.method == "assisted" and self.cache in ("sink_window", "budgeted")):
+            raise ValueError(
+                f"compiled=True needs method 'assisted' with a sparse draft cache, got {self.method!r}/{self.cache!r}"
+            )
 
     @property
     def is_native(self) -> bool:
@@ -85,12 +94,13 @@ class MethodSpec:
     @property
     def name(self) -> str:
         """Short name of the method family: `ar`, `native`, `sink_window`, `budgeted/chunk`, `prompt_lookup`,
-        `mtp_native`, `mtp_windowed`."""
+        `mtp_native`, `mtp_windowed`; a compiled static draft adds `+compiled` (`budgeted/chunk+compiled`)."""
         if self.method == "mtp":
             return "mtp_native" if self.cache == "full" else "mtp_windowed"
         if self.method == "assisted":
             base = "native" if self.cache == "full" else self.cache
-            return f"{base}/{self.policy}" if self.policy else base
+            base = f"{base}/{self.policy}" if self.policy else base
+            return f"{base}+compiled" if self.compiled else base
         return f"ar_{self.ar_setup}" if self.ar_setup else self.method
 
     @property
@@ -211,12 +221,19 @@ def _timed_generate(model, input_ids: torch.LongTensor, new_tokens: int, **kwarg
     return result
 
 
-def _configure_drafter(drafter, gamma: int) -> None:
-    """A fixed draft length γ per round (no heuristic schedule, no early stop on low confidence)."""
+def _configure_drafter(drafter, gamma: int, compiled: bool = False) -> None:
+    """A fixed draft length γ per round (no heuristic schedule, no early stop on low confidence); `compiled`: the
+    drafter's one-token step is compiled (transformers' `CompileConfig`, read by `SparseDraftCandidateGenerator`)."""
     config = drafter.generation_config
     config.num_assistant_tokens = gamma
     config.num_assistant_tokens_schedule = "constant"
     config.assistant_confidence_threshold = 0.0
+    config.compile_config = None
+    if (
+        compiled
+    ):  # one static graph per draft-cache shape (budget); CUDA graphs on CUDA, inductor's plain mode off it
+        mode = "reduce-overhead" if drafter.device.type == "cuda" else "default"
+        config.compile_config = CompileConfig(dynamic=False, mode=mode)
 
 
 def sparse_cache_config(
@@ -239,6 +256,8 @@ def sparse_cache_config(
         raise ValueError(f"spec {spec.label!r} has no sparse cache")
     if spec.gamma > DEFAULT_SLACK:
         config["slack"] = spec.gamma
+    if spec.compiled:
+        config["static"] = True
     return config
 
 
@@ -268,10 +287,12 @@ def run_assisted(
     gamma: int,
     cache_implementation: str | None = None,
     cache_config: dict | None = None,
+    compiled: bool = False,
 ) -> RunResult:
     """Assisted generation: `cache_implementation=None` is stock transformers ("native", the drafter on its own
-    full cache); `"sink_window"` / `"budgeted"` give the drafter a sparse cache (the target keeps a full one)."""
-    _configure_drafter(drafter, gamma)
+    full cache); `"sink_window"` / `"budgeted"` give the drafter a sparse cache (the target keeps a full one);
+    `compiled` (with `cache_config["static"]`) compiles the drafter's one-token step."""
+    _configure_drafter(drafter, gamma, compiled)
     kwargs = {}
     if cache_implementation is not None:
         kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
@@ -355,4 +376,5 @@ def run_method(
         spec.gamma,
         spec.cache if sparse else None,
         cache_config,
+        spec.compiled,
     )

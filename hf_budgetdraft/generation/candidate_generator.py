@@ -42,6 +42,26 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.assistant_kwargs["cache"] = draft_cache
         policy = getattr(draft_cache, "policy", None)
         self._capture_prefill_queries = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
+        self._draft_step = self._one_token_forward()
+
+    def _one_token_forward(self):
+        """The drafter's forward for one-token draft steps: `torch.compile`d when the draft cache is static.
+
+        Compiled when the drafter's own `generation_config.compile_config` is set (any device, CPU included: there a
+        small drafter's step is mostly Python overhead) or where transformers auto-compiles a static cache's decode
+        loop (CUDA/XPU); never with `generate(..., disable_compile=True)`. (`generate()`'s own `compile_config` is the
+        target's: transformers clears it for the assistant.) A static cache's one-token step has fixed shapes, so it
+        compiles once and is reused at every context length; the prefill and multi-token feeds stay eager.
+        """
+        model, config = self.assistant_model, self.generation_config
+        if not self.draft_cache.static or config.disable_compile:
+            return model
+        compile_config = model.generation_config.compile_config
+        if compile_config is None and not model._valid_auto_compile_criteria(
+            {"cache": self.draft_cache}, config
+        ):
+            return model
+        return model.get_compiled_call(compile_config)
 
     def _update_past_and_masks(
         self, input_ids: torch.LongTensor, remove_from_pkv: int = 0, num_added_tokens: int = 1
@@ -60,12 +80,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             self._capture_prefill_queries = False
             with query_capture(self.assistant_model):
                 return super()._generate_candidates(generation_args)
-        # sampling keeps generate()'s sampler; a static draft cache exists to be compiled by generate()'s decode loop
-        if (
-            self.generation_config.do_sample
-            or generation_args[self.input_ids_key].shape[0] != 1
-            or self.draft_cache.static
-        ):
+        # sampling keeps generate()'s sampler (and its compiled decode loop on a static cache)
+        if self.generation_config.do_sample or generation_args[self.input_ids_key].shape[0] != 1:
             return super()._generate_candidates(generation_args)
         return self._draft_greedily(generation_args)
 
@@ -77,6 +93,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         processors, EOS suppressed for the first `min_new_tokens`, stopping after EOS or a draft token whose
         probability is below `assistant_confidence_threshold`. What it saves is the per-round set-up of a
         `generate()` call (config copies, argument validation, stopping criteria), ~1/4 of a small drafter's round.
+        One-token steps without padding run `self._draft_step` (compiled on a static cache, see `_one_token_forward`).
 
         Returns `(candidate_ids (1, L + n), candidate_logits (1, n, V))`, `n <= max_new_tokens`.
         """
@@ -88,16 +105,21 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         threshold = self.generation_config.assistant_confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
         cache = self.draft_cache
-        feed = ids[:, cache.get_seq_length() :]  # (1, n_new): what the draft cache has not seen yet
+        # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled step
+        # would see as a new input layout (a recompile)
+        feed = ids[:, cache.get_seq_length() :].clone(memory_format=torch.contiguous_format)
+        padded = mask is not None and not bool(mask.all())
         scores = []
         for step in range(max_new):
             past = ids.shape[1] - feed.shape[1]
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(1, ids.shape[1] - mask.shape[1])], dim=-1)
+            forward = self._draft_step if feed.shape[1] == 1 and not padded else self.assistant_model
             logits = (
-                self.assistant_model(
+                forward(
                     input_ids=feed,
-                    attention_mask=mask,
+                    # an all-ones mask changes nothing, and its growing length would recompile a compiled step
+                    attention_mask=mask if padded else None,
                     position_ids=torch.arange(past, ids.shape[1], device=ids.device)[None],
                     cache=cache,
                     use_cache=True,
