@@ -11,10 +11,12 @@ import argparse
 import json
 from pathlib import Path
 
-ROWS = (  # (label, target, drafter, method)
-    ("base drafter", "target", "base_drafter", "assisted"),
-    ("BudgetDraft drafter", "target", "drafter", "assisted"),
-    ("target's MTP head", "mtp", None, "mtp"),
+ROWS = (  # (label, target, drafter, method, compiled draft step)
+    ("base drafter", "target", "base_drafter", "assisted", False),
+    ("base drafter, compiled step", "target", "base_drafter", "assisted", True),
+    ("BudgetDraft drafter", "target", "drafter", "assisted", False),
+    ("BudgetDraft drafter, compiled step", "target", "drafter", "assisted", True),
+    ("target's MTP head", "mtp", None, "mtp", False),
 )
 
 
@@ -26,9 +28,17 @@ def cell(row: dict | None) -> str:
     return " · ".join([f"{row['mean_accepted_length']:.2f}", str(row["diff_tokens_max"]), *shown])
 
 
-def find(summary: list[dict], key: dict, cache: str, budget: int | None) -> dict | None:
+def find(summary: list[dict], key: dict, cache: str, budget: int | None, compiled: bool) -> dict | None:
+    """The summary row of `key` at `cache`/`budget`; `compiled`: the `+compiled` (static, compiled step) run."""
     wanted = {**key, "cache": cache, "budget": budget}
-    return next((r for r in summary if all(r[k] == v for k, v in wanted.items())), None)
+    return next(
+        (
+            r
+            for r in summary
+            if all(r[k] == v for k, v in wanted.items()) and r["name"].endswith("+compiled") == compiled
+        ),
+        None,
+    )
 
 
 def main() -> None:
@@ -44,13 +54,13 @@ def main() -> None:
     header = ["context", "drafter", "full cache"] + [f"sparse B={b}" for b in budgets]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for context in contexts:
-        for label, target, drafter, method in ROWS:
+        for label, target, drafter, method, compiled in ROWS:
             sparse = "sink_window" if method == "mtp" else "budgeted"
             key = dict(context_length=context, target=target, method=method)
             if drafter is not None:
                 key["drafter"] = drafter
-            cells = [cell(find(summary, key, "full", None))]
-            cells += [cell(find(summary, key, sparse, b)) for b in budgets]
+            cells = [cell(find(summary, key, "full", None, compiled))]
+            cells += [cell(find(summary, key, sparse, b, compiled)) for b in budgets]
             if any(c != "—" for c in cells):
                 lines.append(f"| {context:,} | {label} | " + " | ".join(cells) + " |")
     arguments = payload["metadata"]["arguments"]
@@ -60,8 +70,9 @@ def main() -> None:
         "Cells: mean accepted length (tokens per target forward) · greedy diff vs the target's own greedy output "
         f"(tokens) · decode speed-up vs plain AR with the same attention ({attention})"
         + (" · decode speed-up vs stock-transformers AR (sdpa)" if stock else "")
-        + " (medians of paired ratios). Sparse = `budgeted` (chunk policy, window 256) for the drafters; for the "
-        "MTP head, windowed MTP with sink 64 + window B − 64.\n"
+        + " (medians of paired ratios). Sparse = `budgeted` (chunk policy, window 256) for the drafters (`compiled "
+        "step`: on a static cache with the one-token draft step torch.compile'd, `--compiled_draft`); for the MTP "
+        "head, windowed MTP with sink 64 + window B − 64.\n"
     )
     print("\n".join(lines))
     print(

@@ -80,7 +80,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             self._capture_prefill_queries = False
             with query_capture(self.assistant_model):
                 return super()._generate_candidates(generation_args)
-        # sampling keeps generate()'s sampler (and its compiled decode loop on a static cache)
+        # sampling (and batches) keep the nested assistant generate() and its sampler
         if self.generation_config.do_sample or generation_args[self.input_ids_key].shape[0] != 1:
             return super()._generate_candidates(generation_args)
         return self._draft_greedily(generation_args)
