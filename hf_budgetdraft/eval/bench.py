@@ -469,30 +469,13 @@ def build_specs(args: BenchArguments, models: BenchModels) -> list[MethodSpec]:
                 specs.append(MethodSpec("assisted", "full", gamma=gamma, drafter=drafter))
             for budget in args.budgets:
                 for compiled in (False, True) if args.compiled_draft else (False,):
+                    common = dict(budget=budget, gamma=gamma, drafter=drafter, compiled=compiled)
                     if "sink_window" in args.methods:
-                        specs.append(
-                            MethodSpec(
-                                "assisted",
-                                "sink_window",
-                                budget=budget,
-                                gamma=gamma,
-                                drafter=drafter,
-                                compiled=compiled,
-                            )
-                        )
+                        specs.append(MethodSpec("assisted", "sink_window", **common))
                     if "budgeted" in args.methods:
-                        for policy in args.policies:
-                            specs.append(
-                                MethodSpec(
-                                    "assisted",
-                                    "budgeted",
-                                    policy,
-                                    budget,
-                                    gamma,
-                                    drafter=drafter,
-                                    compiled=compiled,
-                                )
-                            )
+                        specs += [
+                            MethodSpec("assisted", "budgeted", policy, **common) for policy in args.policies
+                        ]
     if "prompt_lookup" in args.methods:
         specs += [MethodSpec("prompt_lookup", gamma=gamma) for gamma in args.gammas]
     if "mtp" in args.methods and "mtp" in models.targets:
