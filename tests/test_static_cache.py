@@ -245,7 +245,7 @@ STATIC_CASES = {
 }
 
 
-def _speculate(target, drafter, ids, implementation, cache_config):
+def _speculate(target, drafter, ids, implementation, cache_config, **kwargs):
     with record_speculation() as stats:
         out = target.generate(
             ids,
@@ -254,6 +254,7 @@ def _speculate(target, drafter, ids, implementation, cache_config):
             max_new_tokens=NEW_TOKENS,
             cache_implementation=implementation,
             cache_config=cache_config,
+            **kwargs,
         )
     return out, stats.accepted_per_round
 
@@ -288,21 +289,12 @@ def test_static_draft_step_compiles_once_when_asked(where, fresh_dynamo):
     ids = random_prompt(PROMPT_LENGTH, seed=1)
     implementation, cache_config = STATIC_CASES["budgeted-chunk"]
     cache_config = {**cache_config, "static": True}
-    with record_speculation() as stats:
-        out = target.generate(
-            ids,
-            assistant_model=drafter,
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            cache_implementation=implementation,
-            cache_config=cache_config,
-            **kwargs,
-        )
+    out, accepted = _speculate(target, drafter, ids, implementation, cache_config, **kwargs)
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
     assert len(graphs) == (1 if where == "drafter" else 0)
     drafter.generation_config.compile_config = None
     _, eager_accepted = _speculate(target, drafter, ids, implementation, cache_config)
-    assert stats.accepted_per_round == eager_accepted and len(eager_accepted) > 5
+    assert accepted == eager_accepted and len(eager_accepted) > 5
 
 
 # ---------------------------------------------------------------------------------------------------------------
