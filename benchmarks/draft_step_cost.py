@@ -1,9 +1,11 @@
 """Per-draft-step cost of one drafter on a full `DynamicCache` vs `sink_window` vs `budgeted`, vs context length.
 
 The "draft-KV tax" (Windowed-MTP, arXiv 2607.21535): a drafter attending over the whole cache pays a per-step cost
-that grows with context; a sparse draft cache makes it constant. For each context length the three caches are
-prefilled once, then timed interleaved (A B C A B C ...) over `--repeats` blocks of `--steps` one-token draft
-steps, each block rolled back with `crop(-steps)` so the context stays fixed. Writes JSON and a Markdown table.
+that grows with context; a sparse draft cache makes it constant. For each context length the caches are prefilled
+once, then timed interleaved (A B C D A B C D ...) over `--repeats` blocks of `--steps` one-token draft steps, each
+block rolled back with `crop(-steps)` so the context stays fixed. The fourth, `budgeted_compiled`, is the same
+budgeted cache with `static=True` and the step compiled the way `generate()` compiles it (the drafter on
+`budgetdraft_varlen`, `get_compiled_call`; compiled once, before the timing). Writes JSON and a Markdown table.
 
 Run it alone (no other busy process: on 2 cores a second one stalls torch's threads):
     python benchmarks/draft_step_cost.py --threads 2 --output-dir bench-out
@@ -12,6 +14,7 @@ Run it alone (no other busy process: on 2 cores a second one stalls torch's thre
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -19,26 +22,30 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import CompileConfig, DynamicCache, LlamaForCausalLM
 
 import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes
 from hf_budgetdraft.random_models import random_llama_config
 
 
-def make_caches(config, args) -> dict:
+def make_caches(config, static_config, args) -> dict:
     return {
         "full": DynamicCache(config=config),
         "sink_window": SinkWindowCache(
             config, num_sink_tokens=args.sink, window_length=args.window, slack=args.steps
         ),
         "budgeted": BudgetedCache(config, budget=args.budget, policy="chunk", slack=args.steps),
+        "budgeted_compiled": BudgetedCache(
+            static_config, budget=args.budget, policy="chunk", slack=args.steps, static=True
+        ),
     }
 
 
 @torch.inference_mode()
 def time_block(model, cache, context: int, steps: int, token: torch.Tensor) -> float:
-    """Seconds per one-token draft step over `steps` steps, then roll the cache back to `context`."""
+    """Seconds per one-token draft step of `model` (a module or its compiled call) over `steps` steps, then roll the
+    cache back to `context`."""
     start = time.perf_counter()
     for i in range(steps):
         model(token, cache=cache, position_ids=torch.tensor([[context + i]]), logits_to_keep=1)
@@ -71,28 +78,50 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
+    parser.add_argument(
+        "--demo-drafter",
+        action="store_true",
+        help="time the bundled BudgetDraft drafter (hidden 192, vocab 2,048) instead of the random 2-layer Llama",
+    )
     args = parser.parse_args()
     if max(args.contexts) > 262144 or args.repeats > 1000 or args.steps > 256:
         parser.error("contexts <= 262144, repeats <= 1000, steps <= 256")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = random_llama_config(2, max(args.contexts) + args.steps + 1)  # the drafter of shared/MEASURED.md
-    model = LlamaForCausalLM(config).eval()
+    if args.demo_drafter:
+        from hf_budgetdraft.demo import load_demo_models
+
+        model = load_demo_models().drafter
+        if max(args.contexts) + args.steps > model.config.max_position_embeddings:
+            parser.error(f"the demo drafter's positions end at {model.config.max_position_embeddings}")
+    else:  # the drafter of shared/MEASURED.md
+        model = LlamaForCausalLM(random_llama_config(2, max(args.contexts) + args.steps + 1)).eval()
+    config = model.config
+    static_model = copy.deepcopy(model)  # same weights, on the attention a static cache needs
+    static_model.set_attn_implementation("budgetdraft_varlen")
+    steppers = {
+        "full": model,
+        "sink_window": model,
+        "budgeted": model,
+        "budgeted_compiled": static_model.get_compiled_call(CompileConfig(mode="default", dynamic=False)),
+    }
     token = torch.tensor([[7]])
     records = []
     for context in args.contexts:
         prompt = torch.randint(0, config.vocab_size, (1, context))
-        caches = make_caches(config, args)
+        caches = make_caches(config, static_model.config, args)
         with torch.inference_mode():
-            for cache in caches.values():
-                model(prompt, cache=cache, logits_to_keep=1)
+            for name, cache in caches.items():  # the prefill runs eager
+                (static_model if name == "budgeted_compiled" else model)(
+                    prompt, cache=cache, logits_to_keep=1
+                )
         times: dict[str, list[float]] = {name: [] for name in caches}
-        for cache in caches.values():  # warm-up, untimed
-            time_block(model, cache, context, args.steps, token)
+        for name, cache in caches.items():  # warm-up (and the one compilation), untimed
+            time_block(steppers[name], cache, context, args.steps, token)
         for _ in range(args.repeats):
             for name, cache in caches.items():
-                times[name].append(time_block(model, cache, context, args.steps, token))
+                times[name].append(time_block(steppers[name], cache, context, args.steps, token))
         for name, cache in caches.items():
             record = {
                 "context_length": context,
@@ -106,7 +135,7 @@ def main() -> None:
                 record["full_over_this"] = statistics.median(times["full"]) / statistics.median(times[name])
                 record["full_over_this_ci95"] = [low, high]
             records.append(record)
-        line = ", ".join(f"{r['cache']} {r['step_ms_median']:.2f} ms" for r in records[-3:])
+        line = ", ".join(f"{r['cache']} {r['step_ms_median']:.2f} ms" for r in records[-len(caches) :])
         print(f"context {context}: {line}", flush=True)
 
     def median_ms(cache: str, context: int) -> float:
@@ -115,7 +144,7 @@ def main() -> None:
         )
 
     lo, hi = min(args.contexts), max(args.contexts)
-    growth = {name: median_ms(name, hi) / median_ms(name, lo) for name in ("full", "sink_window", "budgeted")}
+    growth = {name: median_ms(name, hi) / median_ms(name, lo) for name in steppers}
     summary = {
         "threads": args.threads,
         "torch": torch.__version__,
@@ -128,26 +157,29 @@ def main() -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "draft_step_cost.json").write_text(json.dumps(summary, indent=2))
 
+    def ratio(record: dict) -> str:
+        low, high = record["full_over_this_ci95"]
+        return f"{record['full_over_this']:.2f} [{low:.2f}, {high:.2f}]"
+
     rows = [
-        "| context | full (ms) | sink_window (ms) | budgeted (ms) | full/sink_window [95% CI] | full/budgeted [95% CI] "
-        "| draft KV full / sink_window / budgeted (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| context | full (ms) | sink_window (ms) | budgeted (ms) | budgeted compiled (ms) | full/sink_window [95% CI] "
+        "| full/budgeted [95% CI] | full/budgeted compiled [95% CI] | draft KV full / sink_window / budgeted (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for context in args.contexts:
         cell = {r["cache"]: r for r in records if r["context_length"] == context}
-        sw, bd = cell["sink_window"], cell["budgeted"]
+        sw, bd, bc = cell["sink_window"], cell["budgeted"], cell["budgeted_compiled"]
         rows.append(
             f"| {context} | {cell['full']['step_ms_median']:.2f} | {sw['step_ms_median']:.2f} | "
-            f"{bd['step_ms_median']:.2f} | {sw['full_over_this']:.2f} [{sw['full_over_this_ci95'][0]:.2f}, "
-            f"{sw['full_over_this_ci95'][1]:.2f}] | {bd['full_over_this']:.2f} [{bd['full_over_this_ci95'][0]:.2f}, "
-            f"{bd['full_over_this_ci95'][1]:.2f}] | {cell['full']['draft_cache_bytes'] / 2**20:.1f} / "
-            f"{sw['draft_cache_bytes'] / 2**20:.1f} / {bd['draft_cache_bytes'] / 2**20:.1f} |"
+            f"{bd['step_ms_median']:.2f} | {bc['step_ms_median']:.2f} | {ratio(sw)} | {ratio(bd)} | {ratio(bc)} | "
+            f"{cell['full']['draft_cache_bytes'] / 2**20:.1f} / {sw['draft_cache_bytes'] / 2**20:.1f} / "
+            f"{bd['draft_cache_bytes'] / 2**20:.1f} |"
         )
     rows.append("")
     rows.append(
-        f"Step-cost growth {lo} -> {hi} tokens: full x{growth['full']:.2f}, sink_window x{growth['sink_window']:.2f}, "
-        f"budgeted x{growth['budgeted']:.2f} ({args.threads} torch threads, {args.repeats} interleaved repeats of "
-        f"{args.steps} steps, medians)."
+        f"Step-cost growth {lo} -> {hi} tokens: "
+        + ", ".join(f"{name} x{value:.2f}" for name, value in growth.items())
+        + f" ({args.threads} torch threads, {args.repeats} interleaved repeats of {args.steps} steps, medians)."
     )
     table = "\n".join(rows)
     (args.output_dir / "draft_step_cost.md").write_text(table + "\n")
