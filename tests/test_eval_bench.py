@@ -260,6 +260,7 @@ def test_corrupting_the_draft_cache_keeps_the_output_and_lowers_acceptance(tmp_p
         (["--policy_kwargs", "{bad"], "--policy_kwargs must be JSON"),
         (["--preset", "full"], "--preset full needs --target and --drafter"),
         (["--contexts", *["4096"] * 40, "--repeats", "1000"], "generate\\(\\) calls"),
+        (["--assistant_confidence_threshold", "1"], r"must be in \[0, 1\), got 1.0"),
     ],
 )
 def test_bad_bench_arguments(flags, message, capsys):
@@ -319,6 +320,33 @@ def test_compiled_draft_runs_beside_the_eager_draft_and_stays_lossless(tmp_path)
     assert result.ok  # every greedy-diff cell 0
     compiled = [r for r in result.records if r["compiled"]]
     assert compiled and all(r["mean_accepted_length"] > 1 for r in compiled)
+
+
+def test_confidence_threshold_ends_drafts_early_and_stays_lossless(tmp_path):
+    """`--assistant_confidence_threshold`: each drafter stops a round at its first unlikely token, so rounds
+    propose fewer than γ tokens (every draft path: stock native, the greedy sparse loop); outputs stay the target's."""
+    fixed = run_bench(_reduced(tmp_path / "fixed", methods=["native", "budgeted"], tasks=["document"]))
+    early = run_bench(
+        _reduced(
+            tmp_path / "early",
+            methods=["native", "budgeted"],
+            tasks=["document"],
+            assistant_confidence_threshold=0.99,
+        )
+    )
+    assert fixed.ok and early.ok  # every greedy-diff cell 0
+
+    def proposed_per_round(result, name):
+        rows = [r for r in result.records if r["name"] == name]
+        return sum(r["proposed_tokens"] for r in rows) / sum(r["rounds"] for r in rows)
+
+    for name in ("native", "budgeted/chunk"):
+        assert proposed_per_round(fixed, name) > 3, name  # γ = 4 but where the token budget ends a round
+        assert proposed_per_round(early, name) < 0.5 * proposed_per_round(fixed, name), (
+            name
+        )  # ~1 token a round
+    report = (tmp_path / "early" / "report.md").read_text()
+    assert "a draft stops below top-token probability 0.99" in report
 
 
 def test_full_preset_without_data_runs_the_passkey_tasks_only(capsys):

@@ -194,6 +194,13 @@ class BenchArguments:
             "budgetdraft_varlen attention (what a static draft cache needs) in every method."
         },
     )
+    assistant_confidence_threshold: float = field(
+        default=0.0,
+        metadata={
+            "help": "Drafters stop a round early once their top token's probability falls below this (transformers' "
+            "assistant_confidence_threshold); γ is then the most a round drafts. 0: always γ tokens."
+        },
+    )
     passkey_depth: float = field(
         default=0.25,
         metadata={"help": "passkey: needle depth as a fraction of the haystack (0 = start, 1 = end)."},
@@ -251,6 +258,11 @@ class BenchArguments:
         bounded("budgeted_window_length", [self.budgeted_window_length], 1, MAX_CACHE_TOKENS)
         bounded("max_documents", [self.max_documents], 1, 100_000)
         bounded("bootstrap_draws", [self.bootstrap_draws], 1, 1_000_000)
+        if not 0.0 <= self.assistant_confidence_threshold < 1.0:
+            raise ValueError(
+                f"--assistant_confidence_threshold must be in [0, 1), got {self.assistant_confidence_threshold}; "
+                "0 drafts γ tokens every round"
+            )
         if not 0.0 <= self.passkey_depth <= 1.0:
             raise ValueError(f"--passkey_depth must be in [0, 1], got {self.passkey_depth}")
         for name, values, allowed in (
@@ -748,6 +760,7 @@ def run_bench(args: BenchArguments, models: BenchModels | None = None) -> BenchR
                     num_sink_tokens=args.num_sink_tokens,
                     budgeted_window_length=args.budgeted_window_length,
                     policy_kwargs=args.policy_options,
+                    confidence_threshold=args.assistant_confidence_threshold,
                 )
                 if args.warmup and cells:
                     warm_ids = cells[0][0].input_ids.to(args.device)

@@ -268,6 +268,11 @@ def _ranker(metadata: dict):
     return lambda row: (rank.get(row["label"], len(rank)), row["label"], row["context_length"])
 
 
+def _draft_stop(args: dict) -> str:
+    threshold = args.get("assistant_confidence_threshold") or 0.0
+    return f" (at most: a draft stops below top-token probability {threshold:g})" if threshold else ""
+
+
 def _kib(value) -> str:
     return "–" if not value else f"{value / 1024:.1f}"
 
@@ -286,7 +291,7 @@ def write_markdown(path: Path, summary, fits, envelope, metadata, records) -> No
         "",
         f"- models: {', '.join(f'{k}: {v}' for k, v in metadata['models'].items())}",
         f"- corpus: {metadata['corpus']}",
-        f"- grid: contexts {args['contexts']}, budgets {args['budgets']}, γ {args['gammas']}, policies "
+        f"- grid: contexts {args['contexts']}, budgets {args['budgets']}, γ {args['gammas']}{_draft_stop(args)}, policies "
         f"{args['policies']}, tasks {metadata.get('tasks', args['tasks'])}; {args['new_tokens']} new tokens, {args['samples']} sample(s) per "
         f"task and context, {args['repeats']} interleaved repeat(s){' after one warm-up pass' if args['warmup'] else ''}",
         f"- machine: {metadata['machine']}; device {metadata['device']}, dtype {args['dtype']}; torch "

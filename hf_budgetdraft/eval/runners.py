@@ -221,13 +221,16 @@ def _timed_generate(model, input_ids: torch.LongTensor, new_tokens: int, **kwarg
     return result
 
 
-def _configure_drafter(drafter, gamma: int, compiled: bool = False) -> None:
-    """A fixed draft length γ per round (no heuristic schedule, no early stop on low confidence); `compiled`: the
+def _configure_drafter(
+    drafter, gamma: int, compiled: bool = False, confidence_threshold: float = 0.0
+) -> None:
+    """A constant draft length γ per round (no heuristic schedule); `confidence_threshold` > 0 ends a round early
+    once the draft's top token is less likely than that (so γ is the most a round drafts); `compiled`: the
     drafter's one-token step is compiled (transformers' `CompileConfig`, read by `SparseDraftCandidateGenerator`)."""
     config = drafter.generation_config
     config.num_assistant_tokens = gamma
     config.num_assistant_tokens_schedule = "constant"
-    config.assistant_confidence_threshold = 0.0
+    config.assistant_confidence_threshold = confidence_threshold
     config.compile_config = None
     if (
         compiled
@@ -288,11 +291,13 @@ def run_assisted(
     cache_implementation: str | None = None,
     cache_config: dict | None = None,
     compiled: bool = False,
+    confidence_threshold: float = 0.0,
 ) -> RunResult:
     """Assisted generation: `cache_implementation=None` is stock transformers ("native", the drafter on its own
     full cache); `"sink_window"` / `"budgeted"` give the drafter a sparse cache (the target keeps a full one);
-    `compiled` (with `cache_config["static"]`) compiles the drafter's one-token step."""
-    _configure_drafter(drafter, gamma, compiled)
+    `compiled` (with `cache_config["static"]`) compiles the drafter's one-token step; `confidence_threshold` > 0
+    stops a round's draft early on an unlikely token (γ is then the maximum)."""
+    _configure_drafter(drafter, gamma, compiled, confidence_threshold)
     kwargs = {}
     if cache_implementation is not None:
         kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
@@ -336,6 +341,7 @@ def run_method(
     num_sink_tokens: int,
     budgeted_window_length: int,
     policy_kwargs: dict | None = None,
+    confidence_threshold: float = 0.0,
 ) -> RunResult:
     """Dispatch `spec` to its runner.
 
@@ -348,6 +354,7 @@ def run_method(
         num_sink_tokens (`int`): sink of `sink_window` drafts (window = budget − sink).
         budgeted_window_length (`int`): tokens a `budgeted` draft keeps after the prefill, besides the budget.
         policy_kwargs (`dict`, *optional*): per policy name, its hyper-parameters.
+        confidence_threshold (`float`): drafters end a round early below this top-token probability (0: never).
     """
     if spec.target not in targets:
         raise ValueError(f"spec {spec.label!r} needs target model {spec.target!r}; have {sorted(targets)}")
@@ -377,4 +384,5 @@ def run_method(
         spec.cache if sparse else None,
         cache_config,
         spec.compiled,
+        confidence_threshold,
     )
