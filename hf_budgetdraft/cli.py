@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from .app import AppArguments, demo_command
+from .attention.varlen import NAME as VARLEN_NAME
 from .cache.base import MAX_CACHE_TOKENS
 from .demo.documents import DEMO_TEXT
 from .eval.bench import BenchArguments, bench_command
@@ -60,6 +61,20 @@ class GenerateArguments:
     budget: int = field(default=512, metadata={"help": "budgeted: prefix tokens kept per layer and KV head."})
     policy: str = field(default="chunk", metadata={"help": "budgeted: chunk | streaming | snapkv."})
     gamma: int = field(default=5, metadata={"help": "Draft tokens per round (num_assistant_tokens)."})
+    assistant_confidence_threshold: float = field(
+        default=0.0,
+        metadata={
+            "help": "End a round's draft at the first token the drafter gives less than this probability (γ is "
+            "then the most a round drafts); 0: always γ tokens."
+        },
+    )
+    compiled_draft: bool = field(
+        default=False,
+        metadata={
+            "help": "sink_window/budgeted: a static draft cache with the drafter's one-token step torch.compile'd; "
+            "one untimed warm-up run compiles it first (tens of seconds on CPU)."
+        },
+    )
     target_attn_implementation: Literal["sdpa", "eager", "budgetdraft_sdpa"] = field(
         default="budgetdraft_sdpa",
         metadata={
@@ -82,6 +97,15 @@ class GenerateArguments:
             raise ValueError(f"--max_new_tokens must be in [1, 4096], got {self.max_new_tokens}")
         if not 1 <= self.gamma <= 64:
             raise ValueError(f"--gamma must be in [1, 64], got {self.gamma}")
+        if not 0.0 <= self.assistant_confidence_threshold < 1.0:
+            raise ValueError(
+                f"--assistant_confidence_threshold must be in [0, 1), got {self.assistant_confidence_threshold}"
+            )
+        if self.compiled_draft and self.cache == "full":
+            raise ValueError(
+                "--compiled_draft compiles the step of a static sparse draft cache; use --cache sink_window or "
+                "budgeted, or drop --compiled_draft"
+            )
         if self.random_models + self.demo_models + bool(self.target and self.drafter) != 1:
             raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
 
@@ -132,14 +156,30 @@ def generate_command(args: GenerateArguments) -> int:
             "policy": args.policy,
             "window_length": args.budgeted_window_length,
         }
+    if args.compiled_draft:  # validated: a sparse cache
+        cache_config["static"] = True
+        drafter.set_attn_implementation(VARLEN_NAME)  # what hides a static cache's empty slots
     cache = None if args.cache == "full" else args.cache
-    # the benchmark's runners: greedy, exactly max_new_tokens, a fixed draft length, decode time read off a streamer
+    draft = dict(
+        gamma=args.gamma,
+        cache_implementation=cache,
+        cache_config=cache_config,
+        compiled=args.compiled_draft,
+        confidence_threshold=args.assistant_confidence_threshold,
+    )
+    if args.compiled_draft:
+        print("compiling the draft step (one untimed warm-up run)", flush=True)
+        run_assisted(target, drafter, ids, min(args.max_new_tokens, 2 * args.gamma), **draft)
+    # the benchmark's runners: greedy, exactly max_new_tokens, decode time read off a streamer
     ar = run_ar(target, ids, args.max_new_tokens)
-    spec = run_assisted(target, drafter, ids, args.max_new_tokens, args.gamma, cache, cache_config)
+    spec = run_assisted(target, drafter, ids, args.max_new_tokens, **draft)
 
     new, stats = spec.new_ids, spec.stats
     diff = int((new != ar.new_ids).sum())
-    print(f"prompt tokens: {ids.shape[1]}  new tokens: {new.numel()}  draft cache: {args.cache}")
+    print(
+        f"prompt tokens: {ids.shape[1]}  new tokens: {new.numel()}  draft cache: {args.cache}"
+        f"{' (static, compiled step)' if args.compiled_draft else ''}"
+    )
     print(tokenizer.decode(new) if tokenizer is not None else f"token ids: {new.tolist()}")
     print(
         f"greedy diff vs the target's own greedy output: {diff} tokens ({'identical' if diff == 0 else 'DIFFERENT'})"

@@ -1,6 +1,9 @@
 """The `hf-budgetdraft` command line runs end to end and checks its own output against the target's greedy."""
 
+import re
+
 import pytest
+import torch
 
 from hf_budgetdraft.cli import main
 
@@ -27,11 +30,42 @@ def test_generate_random_models(cache, capsys):
     )  # fmt: skip
 
 
-def test_bad_arguments(capsys):
+def test_no_command_prints_the_usage():
     assert main([]) == 2
+
+
+def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
+    """`--compiled_draft`: a static draft cache whose one-token step compiles once (in the untimed warm-up run) and
+    is reused by the timed one; `--assistant_confidence_threshold` ends drafts early; the output stays the target's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert_generate_is_lossless(
+        capsys,
+        "--random_models",
+        "--context_length", "300",
+        "--max_new_tokens", "12",
+        "--cache", "budgeted",
+        "--budget", "64",
+        "--compiled_draft", "true",
+        "--assistant_confidence_threshold", "0.05",
+    )  # fmt: skip
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--cache", "dense"], "--cache must be sink_window, budgeted or full"),
+        (["--cache", "full", "--compiled_draft", "true"], "use --cache sink_window or budgeted"),
+        (["--assistant_confidence_threshold", "1.5"], r"must be in \[0, 1\), got 1.5"),
+    ],
+)
+def test_bad_generate_arguments(flags, message, capsys):
     with pytest.raises(SystemExit):
-        main(["generate", "--random_models", "--cache", "dense"])
-    assert "--cache must be sink_window, budgeted or full" in capsys.readouterr().err
+        main(["generate", "--random_models", *flags])
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_generate_demo_models_with_fast_target_attention(capsys):
