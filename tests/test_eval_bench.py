@@ -12,7 +12,7 @@ from hf_budgetdraft.cache.base import SparseDraftLayer
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.eval import bench
 from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, _bundled_tokenizer, run_bench
-from hf_budgetdraft.eval.report import PLOTS, REQUIRED_FIELDS
+from hf_budgetdraft.eval.report import PLOTS, REQUIRED_FIELDS, round_budget_rows
 from hf_budgetdraft.eval.runners import MethodSpec, run_ar, sparse_cache_config
 from hf_budgetdraft.random_models import smoke_pair
 
@@ -61,6 +61,7 @@ def test_smoke_writes_every_output(smoke):
         "### Noise envelope",
         "## Acceptance",
         "## Speed",
+        "### What a round has to buy",
         "### Cost model",
         "## Memory",
     ):
@@ -394,3 +395,38 @@ def test_ar_baselines_run_stock_sdpa_or_the_growable_cache_and_restore_the_targe
     ]
     assert target.config._attn_implementation == "budgetdraft_sdpa"  # restored after the stock run
     assert all(torch.equal(run.new_ids, runs[None].new_ids) for run in runs.values())
+
+
+def _pooled(label, method, context, **fields):
+    row = dict(label=label, method=method, target="target", context_length=context, gamma=6)
+    row.update(
+        ar_ms_per_token=None, mean_accepted_length=None, draft_ms_per_round=None, verify_ms_per_round=None
+    )
+    row.update(fields)
+    return row
+
+
+def test_round_budget_rows_use_stock_ar_and_the_round_phases():
+    pooled = [
+        _pooled("ar", "ar", 4096, ar_ms_per_token=9.0),
+        _pooled("ar_stock", "ar", 4096, ar_ms_per_token=10.0),
+        _pooled("ar", "ar", 8192, ar_ms_per_token=12.0),  # no stock AR here: plain AR is the baseline
+        _pooled(
+            "b", "assisted", 4096, mean_accepted_length=4.0, draft_ms_per_round=5.0, verify_ms_per_round=15.0
+        ),
+        _pooled(
+            "b", "assisted", 8192, mean_accepted_length=3.0, draft_ms_per_round=6.0, verify_ms_per_round=18.0
+        ),
+        _pooled(
+            "b", "assisted", 16384, mean_accepted_length=3.0, draft_ms_per_round=6.0, verify_ms_per_round=18.0
+        ),
+        _pooled("no phases", "assisted", 4096, mean_accepted_length=3.0),
+    ]
+    rows = {row["context_length"]: row for row in round_budget_rows(pooled)}
+    assert set(rows) == {4096, 8192}  # no baseline at 16K, no phase times for "no phases"
+    at_4k = rows[4096]
+    assert (at_4k["baseline"], at_4k["ar_ms_per_token"], at_4k["round_ms"]) == ("stock AR", 10.0, 20.0)
+    assert at_4k["predicted_speedup"] == pytest.approx(4.0 * 10.0 / 20.0)
+    assert at_4k["accepted_length_for_2x"] == pytest.approx(4.0)
+    assert at_4k["full_acceptance_speedup"] == pytest.approx(7 * 10.0 / 20.0)
+    assert (rows[8192]["baseline"], rows[8192]["accepted_length_for_2x"]) == ("AR", pytest.approx(4.0))

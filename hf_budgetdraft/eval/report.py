@@ -170,6 +170,42 @@ def summarize(records: list[dict], draws: int = 2000, seed: int = 0) -> list[dic
     return rows
 
 
+def round_budget_rows(pooled: list[dict]) -> list[dict]:
+    """Per speculative cell (pooled over tasks): the accepted length its median phase costs need for a 2× decode
+    speed-up over the AR baseline of the same target and context (stock AR where it ran, else AR), the speed-up
+    those costs predict at the measured accepted length, and at full acceptance (γ + 1 tokens a round)."""
+    baselines = {}
+    for r in pooled:
+        if r["method"] == "ar" and r["ar_ms_per_token"]:
+            name = "stock AR" if r["label"] == "ar_stock" else "AR"
+            key = (r["target"], r["context_length"])
+            if name == "stock AR" or key not in baselines:
+                baselines[key] = (name, r["ar_ms_per_token"])
+    rows = []
+    for r in pooled:
+        baseline = baselines.get((r["target"], r["context_length"]))
+        if r["method"] == "ar" or baseline is None or r.get("mean_accepted_length") is None:
+            continue
+        if r["draft_ms_per_round"] is None or r["verify_ms_per_round"] is None:
+            continue
+        name, ar_ms = baseline
+        round_ms = r["draft_ms_per_round"] + r["verify_ms_per_round"]
+        rows.append(
+            dict(
+                label=r["label"],
+                context_length=r["context_length"],
+                baseline=name,
+                ar_ms_per_token=ar_ms,
+                round_ms=round_ms,
+                mean_accepted_length=r["mean_accepted_length"],
+                predicted_speedup=r["mean_accepted_length"] * ar_ms / round_ms,
+                accepted_length_for_2x=2 * round_ms / ar_ms,
+                full_acceptance_speedup=(r["gamma"] + 1) * ar_ms / round_ms,
+            )
+        )
+    return rows
+
+
 def phase_fits(records: list[dict]) -> list[dict]:
     """Least-squares cost model per (target, drafter, method, cache, policy, budget, context) over its rounds."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -447,6 +483,46 @@ def write_markdown(path: Path, summary, fits, envelope, metadata, records) -> No
     headers = ["method", "context", "tok/s", "decode tok/s", *(h for h, _ in columns)]
     headers += ["draft ms/round", "verify ms/round", "overhead ms/run"]
     out += [_table(headers, speed_rows), ""]
+    gap_rows = round_budget_rows(pooled)
+    if gap_rows:
+        out += [
+            "### What a round has to buy",
+            "",
+            "Decode speed-up ≈ accepted length × t_AR / t_round, with t_AR the AR baseline's median decode ms per "
+            "token in this run (stock AR where it ran, else AR), t_round the median draft + verify ms of a round "
+            "above and the accepted length pooled over the cell's rounds. So a 2× needs an accepted length of "
+            "2·t_round / t_AR at these phase costs, and γ + 1 tokens a round (every draft accepted) is the most any "
+            "drafter could reach at them. A model, not a measurement: pooled over rounds, it weighs a passage by its "
+            "rounds (a poorly drafted passage has more of them), where the measured speed-up above is the median "
+            "over runs, each passage counting once.",
+            "",
+            _table(
+                [
+                    "method",
+                    "context",
+                    "t_AR (ms/token)",
+                    "t_round (ms)",
+                    "accepted length",
+                    "predicted decode speed-up",
+                    "accepted length for 2×",
+                    "speed-up if every draft were accepted",
+                ],
+                [
+                    [
+                        g["label"],
+                        g["context_length"],
+                        f"{g['ar_ms_per_token']:.2f} ({g['baseline']})",
+                        _fmt(g["round_ms"]),
+                        _fmt(g["mean_accepted_length"]),
+                        _fmt(g["predicted_speedup"]),
+                        _fmt(g["accepted_length_for_2x"]),
+                        _fmt(g["full_acceptance_speedup"]),
+                    ]
+                    for g in gap_rows
+                ],
+            ),
+            "",
+        ]
 
     out += [
         "### Cost model",
