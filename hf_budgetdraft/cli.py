@@ -229,7 +229,17 @@ class TrainScriptArguments:
         default=True,
         metadata={"help": "Concatenate documents before cutting rows (False: one document per row)."},
     )
-    max_train_rows: int | None = field(default=None, metadata={"help": "Use at most this many packed rows."})
+    max_train_rows: int | None = field(
+        default=None, metadata={"help": "Use at most this many packed rows (a seeded random sample)."}
+    )
+    continuations: str = field(
+        default="text",
+        metadata={
+            "help": "Each row's continuation: 'text' (as cut from the data) or 'target' (the target's own greedy "
+            "continuation of the row's prefix, generated once and cached: the text the drafter drafts at "
+            "inference)."
+        },
+    )
     precompute_teacher: bool = field(
         default=False,
         metadata={
@@ -242,7 +252,9 @@ class TrainScriptArguments:
     )
     teacher_cache_dir: str | None = field(
         default=None,
-        metadata={"help": "Where precomputed targets are cached (default: OUTPUT_DIR/teacher_targets)."},
+        metadata={
+            "help": "Where precomputed targets and continuations are cached (default: OUTPUT_DIR/teacher_targets)."
+        },
     )
     random_models: bool = field(
         default=False,
@@ -263,6 +275,8 @@ class TrainScriptArguments:
             )
         if self.teacher_top_k < 0:
             raise ValueError(f"--teacher_top_k must be >= 0, got {self.teacher_top_k}")
+        if self.continuations not in ("text", "target"):
+            raise ValueError(f"--continuations must be 'text' or 'target', got {self.continuations!r}")
 
 
 def _train_data(script: TrainScriptArguments, config, target, tokenizer):
@@ -302,7 +316,7 @@ def _optional_tokenizer(path: str):
 def train_command(script: TrainScriptArguments, config) -> int:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from .trainer import BudgetDraftTrainer, precompute_teacher_targets
+    from .trainer import BudgetDraftTrainer, generate_target_continuations, precompute_teacher_targets
 
     if script.threads:
         torch.set_num_threads(script.threads)
@@ -323,9 +337,19 @@ def train_command(script: TrainScriptArguments, config) -> int:
         )
         tokenizer = _optional_tokenizer(script.drafter) or teacher_tokenizer
     dataset = _train_data(script, config, target, teacher_tokenizer)
-    if script.max_train_rows is not None:
-        dataset = dataset.select(range(min(script.max_train_rows, len(dataset))))
+    if script.max_train_rows is not None and script.max_train_rows < len(dataset):
+        # a seeded sample, not the first documents' rows: the subset keeps the corpus' mix of sources
+        dataset = dataset.shuffle(seed=config.seed).select(range(script.max_train_rows))
     print(f"{len(dataset)} training rows of {config.prefix_length} + {config.continuation_length} tokens")
+    cache_dir = script.teacher_cache_dir or f"{config.output_dir}/teacher_targets"
+    if script.continuations == "target":
+        dataset = generate_target_continuations(
+            dataset,
+            target.to(config.device),
+            config.prefix_length,
+            config.continuation_length,
+            cache_dir=cache_dir,
+        )
     if script.precompute_teacher:
         target.to(config.device)
         dataset = precompute_teacher_targets(
@@ -335,7 +359,7 @@ def train_command(script: TrainScriptArguments, config) -> int:
             config.continuation_length,
             top_k=script.teacher_top_k,
             temperature=config.temperature,
-            cache_dir=script.teacher_cache_dir or f"{config.output_dir}/teacher_targets",
+            cache_dir=cache_dir,
         )
     trainer = BudgetDraftTrainer(
         model=drafter,

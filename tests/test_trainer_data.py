@@ -13,7 +13,12 @@ from trainer_helpers import (
     write_corpus,
 )
 
-from hf_budgetdraft.trainer import load_text_dataset, pack_dataset, precompute_teacher_targets
+from hf_budgetdraft.trainer import (
+    generate_target_continuations,
+    load_text_dataset,
+    pack_dataset,
+    precompute_teacher_targets,
+)
 
 
 def test_load_and_pack_local_text(tmp_path):
@@ -76,3 +81,30 @@ def test_teacher_targets_are_computed_once_and_cached(tmp_path):
         target.lm_head.weight.mul_(1.5)  # new teacher weights: the cache must not be reused
     precompute_teacher_targets(rows, target, 32, 6, top_k=4, batch_size=2, cache_dir=str(tmp_path))
     assert len(calls) == 4
+
+
+def test_target_continuations_are_the_targets_own_greedy_tokens(tmp_path):
+    target, _ = model_pair("llama", "sdpa", draft_layers=1)
+    generator = torch.Generator().manual_seed(1)
+    rows = datasets.Dataset.from_dict(
+        {"input_ids": torch.randint(0, 128, (2, 40), generator=generator).tolist()}
+    )
+    prefixes = torch.tensor(rows["input_ids"])[:, :32]
+    with torch.no_grad():
+        expected = [
+            target.generate(p[None], do_sample=False, max_new_tokens=6, min_new_tokens=6)[0].tolist()
+            for p in prefixes
+        ]
+    assert expected != [
+        row[:38] for row in rows["input_ids"]
+    ]  # the random text is not what the target writes
+    regenerated = generate_target_continuations(rows, target, 32, 6, batch_size=2, cache_dir=str(tmp_path))
+    assert regenerated["input_ids"] == expected  # decoded as one batch, each row the target's own greedy text
+    calls = []
+    target.register_forward_hook(lambda *_: calls.append(1))
+    again = generate_target_continuations(rows, target, 32, 6, batch_size=2, cache_dir=str(tmp_path))
+    assert not calls and again["input_ids"] == expected  # loaded from the cache, not regenerated
+    with pytest.raises(ValueError, match="shorter than prefix_length"):
+        generate_target_continuations(rows, target, 32, 9)
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        generate_target_continuations(rows, target, 32, 6, batch_size=0)

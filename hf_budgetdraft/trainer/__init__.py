@@ -2,7 +2,7 @@
 budgets, each view built by the same cache code the deployed drafter reads.
 
 `BudgetDraftConfig` (a `TrainingArguments`) + `BudgetDraftTrainer` (a `Trainer`); `losses` are pure functions;
-`views` builds the training views from the inference caches; `data` packs text and precomputes teacher targets.
+`views` builds the training views from the inference caches; `data` packs text, regenerates continuations with the target and precomputes teacher targets.
 Needs the `train` extra (`peft`, `datasets`) for LoRA and data loading.
 """
 
@@ -11,6 +11,7 @@ from .config import BudgetDraftConfig
 from .data import (
     BudgetDraftCollator,
     check_row_lengths,
+    generate_target_continuations,
     load_text_dataset,
     pack_dataset,
     precompute_teacher_targets,
@@ -34,6 +35,7 @@ __all__ = [
     "check_row_lengths",
     "check_vocab_compatible",
     "full_cache",
+    "generate_target_continuations",
     "load_text_dataset",
     "losses",
     "pack_dataset",

@@ -10,6 +10,8 @@ The paper packs PG-19 books into 16,384-token rows (16,128 prefix + 256 continua
   `teacher_labels`, `(C,)`) and optionally its top-k log-probabilities for the soft loss (`teacher_topk_ids`,
   `teacher_topk_logprobs`, `(C, k)`). The teacher is the expensive part of a step: precomputing it once lets
   many drafter runs (budgets, λ, policies) reuse it;
+- `generate_target_continuations`: each row's continuation replaced by the target's own greedy continuation of
+  its prefix (on-policy rows: at inference the drafter reads the target's output, not human text);
 - `BudgetDraftCollator`: stacks rows into tensors and refuses rows shorter than prefix + continuation.
 """
 
@@ -253,6 +255,68 @@ def precompute_teacher_targets(
         cache_file_name=cache_file_name,
         load_from_cache_file=True,
         desc="teacher targets",
+    )
+
+
+def generate_target_continuations(
+    dataset,
+    teacher,
+    prefix_length: int,
+    continuation_length: int,
+    batch_size: int = 8,
+    cache_dir: str | None = None,
+):
+    """Replace each row's continuation by the target's greedy continuation of its `prefix_length`-token prefix.
+
+    At inference the drafter drafts the target's own output, which for a small target reads nothing like the
+    human text the rows were cut from (it repeats itself, and keeps to what it knows). Training on the target's
+    output aligns the training rows with the rows the drafter is verified on: "self-distillation" data, as in
+    Medusa-2 and EAGLE's regenerated data. Decoding is greedy with exactly `continuation_length` new tokens
+    (`min_new_tokens`, as `hf-budgetdraft bench` runs it), `batch_size` rows at a time (equal-length prefixes: no
+    padding).
+
+    Args:
+        dataset (`datasets.Dataset`): rows with `input_ids` of at least `prefix_length + continuation_length` ids.
+        teacher (`PreTrainedModel`): the target.
+        batch_size (`int`, defaults to 8): rows decoded together.
+        cache_dir (`str`, *optional*): folder of the cached Arrow file (keyed by data, target weights, lengths).
+
+    Returns:
+        `datasets.Dataset` with `input_ids` `(P + C,)`: the same prefix, then the target's C greedy tokens.
+    """
+    check_row_lengths(dataset, prefix_length, continuation_length)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(teacher.parameters()).device
+    teacher.eval()
+
+    def regenerate(batch):
+        prefixes = torch.tensor([row[:prefix_length] for row in batch["input_ids"]], device=device)  # (b, P)
+        with torch.no_grad():
+            out = teacher.generate(
+                prefixes,
+                attention_mask=torch.ones_like(prefixes),
+                do_sample=False,
+                max_new_tokens=continuation_length,
+                min_new_tokens=continuation_length,
+            )  # (b, P + C)
+        return {"input_ids": out.cpu().tolist()}
+
+    fingerprint = _teacher_fingerprint(
+        dataset, teacher, prefix_length, continuation_length, "greedy-continuation", 0.0
+    )
+    cache_file_name = None
+    if cache_dir is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        cache_file_name = os.path.join(cache_dir, f"target-continuations-{fingerprint}.arrow")
+    return dataset.map(
+        regenerate,
+        batched=True,
+        batch_size=batch_size,
+        new_fingerprint=fingerprint,
+        cache_file_name=cache_file_name,
+        load_from_cache_file=True,
+        desc="target's greedy continuations",
     )
 
 
