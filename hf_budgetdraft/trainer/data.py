@@ -197,6 +197,25 @@ def _teacher_fingerprint(dataset, teacher, prefix_length, continuation_length, t
     return digest.hexdigest()[:32]
 
 
+def _cached_map(
+    dataset, function, batch_size: int, fingerprint: str, cache_dir: str | None, name: str, desc: str
+):
+    """`dataset.map(function)` in batches, fingerprinted, cached as `cache_dir/{name}-{fingerprint}.arrow`."""
+    cache_file_name = None
+    if cache_dir is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        cache_file_name = os.path.join(cache_dir, f"{name}-{fingerprint}.arrow")
+    return dataset.map(
+        function,
+        batched=True,
+        batch_size=batch_size,
+        new_fingerprint=fingerprint,
+        cache_file_name=cache_file_name,
+        load_from_cache_file=True,
+        desc=desc,
+    )
+
+
 def precompute_teacher_targets(
     dataset,
     teacher,
@@ -243,18 +262,8 @@ def precompute_teacher_targets(
     fingerprint = _teacher_fingerprint(
         dataset, teacher, prefix_length, continuation_length, top_k, temperature
     )
-    cache_file_name = None
-    if cache_dir is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        cache_file_name = os.path.join(cache_dir, f"teacher-targets-{fingerprint}.arrow")
-    return dataset.map(
-        targets,
-        batched=True,
-        batch_size=batch_size,
-        new_fingerprint=fingerprint,
-        cache_file_name=cache_file_name,
-        load_from_cache_file=True,
-        desc="teacher targets",
+    return _cached_map(
+        dataset, targets, batch_size, fingerprint, cache_dir, "teacher-targets", "teacher targets"
     )
 
 
@@ -305,18 +314,14 @@ def generate_target_continuations(
     fingerprint = _teacher_fingerprint(
         dataset, teacher, prefix_length, continuation_length, "greedy-continuation", 0.0
     )
-    cache_file_name = None
-    if cache_dir is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        cache_file_name = os.path.join(cache_dir, f"target-continuations-{fingerprint}.arrow")
-    return dataset.map(
+    return _cached_map(
+        dataset,
         regenerate,
-        batched=True,
-        batch_size=batch_size,
-        new_fingerprint=fingerprint,
-        cache_file_name=cache_file_name,
-        load_from_cache_file=True,
-        desc="target's greedy continuations",
+        batch_size,
+        fingerprint,
+        cache_dir,
+        "target-continuations",
+        "target's greedy continuations",
     )
 
 
