@@ -2,7 +2,8 @@
 budgets, each view built by the same cache code the deployed drafter reads.
 
 `BudgetDraftConfig` (a `TrainingArguments`) + `BudgetDraftTrainer` (a `Trainer`); `losses` are pure functions;
-`views` builds the training views from the inference caches; `data` packs text, regenerates continuations with the target and precomputes teacher targets.
+`views` builds the training views from the inference caches; `data` packs text, regenerates continuations with
+the target and precomputes teacher targets.
 Needs the `train` extra (`peft`, `datasets`) for LoRA and data loading.
 """
 
