@@ -6,7 +6,8 @@ write each folder's model card.
 
 Measured on the bundled (bf16-stored, fp32-loaded) weights: passkey retrieval at several lengths with the needle at
 random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-split perplexity with 2K, 4K, 8K and
-16K-token windows over the same tokens, and each drafter's top-1 agreement with the target on eval text.
+16K-token windows over the same tokens, and each drafter's top-1 agreement with the target on eval text and on the
+target's own greedy continuation of it (the text a drafter drafts at inference).
 """
 
 from __future__ import annotations
@@ -68,8 +69,17 @@ def perplexity(model, ids: torch.LongTensor, context: int) -> float:
 
 
 @torch.inference_mode()
-def top1_agreement(drafter, target, ids: torch.LongTensor) -> float:
-    return (drafter(ids[None]).logits.argmax(-1) == target(ids[None]).logits.argmax(-1)).float().mean().item()
+def top1_agreement(drafter, target, ids: torch.LongTensor, start: int = 0) -> float:
+    """Share of positions >= `start` of `ids` [T] where the drafter's and the target's next-token argmax agree."""
+    drafter_top1, target_top1 = (m(ids[None]).logits[0, start:].argmax(-1) for m in (drafter, target))
+    return (drafter_top1 == target_top1).float().mean().item()
+
+
+@torch.inference_mode()
+def greedy_continuation(target, prefix: torch.LongTensor, new_tokens: int) -> torch.LongTensor:
+    """`prefix` [T] followed by the target's own greedy continuation: [T + new_tokens], the text a drafter drafts."""
+    out = target.generate(prefix[None], do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    return out[0]
 
 
 def card(title: str, body: str, metrics: dict) -> str:
@@ -111,9 +121,14 @@ def main() -> None:
         ppl = perplexity(demo.target, ids, context)
         metrics["target"][f"eval perplexity, {context}-token windows (same 16,384 tokens)"] = f"{ppl:.2f}"
         print(f"perplexity @{context}: {ppl:.2f}", flush=True)
+    on_policy = greedy_continuation(demo.target, ids[:2048], 256)
     for name in ("base_drafter", "drafter"):
         agreement = top1_agreement(getattr(demo, name), demo.target, ids[:2048])
         metrics[name]["top-1 agreement with the target, 2,048 eval tokens, full cache"] = f"{agreement:.1%}"
+        agreement = top1_agreement(getattr(demo, name), demo.target, on_policy[:-1], start=2047)
+        metrics[name][
+            "top-1 agreement on the target's own greedy continuation (256 tokens after those 2,048)"
+        ] = f"{agreement:.1%}"
     parameters = {
         "target": sum(p.numel() for p in demo.target.parameters()),
         "base_drafter": sum(p.numel() for p in demo.base_drafter.parameters()),
