@@ -1,9 +1,12 @@
 """Windowed-MTP cost model on CPU: per-round phase times of native vs windowed MTP drafting, 4K..64K context.
 
 Windowed-MTP (arXiv 2607.21535) models a decode round as t_step = t_verify + t_ctx_draft + γ·t_fwd_draft: the
-target verifies γ+1 tokens on its full cache; the MTP head first absorbs the newly verified token(s) into its own
-cache (t_ctx_draft) and then drafts γ tokens. Native MTP attends over the whole MTP cache, so both draft terms grow
-with context; windowed MTP reads a sink + window ring, so they stay flat. Two windowed layouts are timed:
+target verifies γ+1 tokens on its full cache; the MTP head's pass over the newly verified tokens (t_ctx_draft)
+absorbs them into its own cache and emits the first draft token, and γ − 1 chained one-token steps emit the rest.
+Every MTP forward ends in the shared LM head on its last position and an argmax, as in transformers'
+`MtpModel.forward` and SGLang's draft loop, so t_fwd_draft includes the head (at a 32K vocabulary it costs about what
+the windowed MTP layer does). Native MTP attends over the whole MTP cache, so both draft terms grow with context;
+windowed MTP reads a sink + window ring, so they stay flat. Two windowed layouts are timed:
 `windowed` reads the ring in place (`cache_config={"static": True}`: the sink + ring buffer in slot order under a
 slot mask, `attn_implementation="budgetdraft_varlen"`), `windowed_gather` gathers `[sink, window, new]` into a fresh
 tensor at every draft forward (the dynamic ring layers) — the same keys, one copy of the window more per step.
@@ -20,7 +23,8 @@ alone. Phases are timed interleaved (verify, native draft, windowed drafts, ...)
 rolled back with `crop`.
 
 Reports per context: t_verify (γ + 1 tokens) for γ = 1, 3 and `--gamma`; t_ctx_draft and mean t_fwd_draft per
-method with a least-squares fit of the draft time over γ = 1..`--gamma`, draft = c + γ·t_fwd (standard errors);
+method with a least-squares fit of the draft time over γ = 1..`--gamma`, draft = c + γ·t_fwd (standard errors; c =
+t_ctx_draft − t_fwd_draft);
 win% = step_native / step_windowed − 1 at those γ (and at γ = `--gamma` for the gathering layout); and the draft-KV
 bytes reclaimed (also as a share of all KV).
 Run alone:
@@ -136,10 +140,10 @@ def main() -> None:
     if (
         max(args.contexts) > 262144
         or not 1 <= args.depth <= 8
-        or not 1 <= args.gamma <= 16
+        or not 2 <= args.gamma <= 16
         or args.repeats > 1000
     ):
-        parser.error("contexts <= 262144, 1 <= depth <= 8, 1 <= gamma <= 16, repeats <= 1000")
+        parser.error("contexts <= 262144, 1 <= depth <= 8, 2 <= gamma <= 16, repeats <= 1000")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -180,19 +184,27 @@ def main() -> None:
             cache.crop(-(gamma + 1))
 
         def draft_round(method, context=context, caches=caches) -> list[float]:
-            """t_ctx_draft (layer 0 absorbs the verified tokens), then γ chained one-token draft steps; rolled back."""
+            """t_ctx_draft (layer 0 absorbs the verified tokens and emits draft 1), then the γ − 1 chained one-token
+            steps that emit drafts 2..γ; rolled back. Returns [t_ctx_draft, t_fwd_draft × (γ − 1)] in seconds."""
             cache = caches[method]
             appended = [0] * args.depth
+            state = {
+                "hidden": torch.randn(1, absorbed, hidden),
+                "ids": torch.randint(0, config.vocab_size, (1, absorbed)),
+            }
 
-            def step(layer, tokens, position):
-                ids = torch.randint(0, config.vocab_size, (1, tokens))
+            def step(layer, position):
+                """One MTP forward plus the shared head on its last position: the next draft token."""
+                tokens = state["ids"].shape[1]
                 positions = torch.arange(position, position + tokens)[None]
-                mtp.forward_layer(layer, torch.randn(1, tokens, hidden), positions, cache, input_ids=ids)
+                out = mtp.forward_layer(layer, state["hidden"], positions, cache, input_ids=state["ids"])
+                state["hidden"] = out[:, -1:]
+                state["ids"] = mtp._project_to_logits(state["hidden"]).argmax(-1)
                 appended[layer] += tokens
 
-            times = [timed(lambda: step(0, absorbed, context))]
-            for j in range(args.gamma):
-                times.append(timed(lambda j=j: step(j % args.depth, 1, context + absorbed + j)))
+            times = [timed(lambda: step(0, context))]
+            for j in range(1, args.gamma):
+                times.append(timed(lambda j=j: step(j % args.depth, context + absorbed + j - 1)))
             for layer, tokens in enumerate(appended):
                 if tokens:
                     cache.layers[layer].crop(-tokens)
@@ -206,9 +218,11 @@ def main() -> None:
                 for key, value in block.items():
                     samples[key].append(value)
 
-        def draft_s(method, i, g, samples=samples):  # t_ctx_draft + the first g draft steps of repeat i
+        def draft_s(
+            method, i, g, samples=samples
+        ):  # γ = g drafts: t_ctx_draft + the first g − 1 steps of repeat i
             ctx, *fwd = samples[method][i]
-            return ctx + sum(fwd[:g])
+            return ctx + sum(fwd[: g - 1])
 
         record = {
             "context_length": context,
@@ -291,7 +305,8 @@ def main() -> None:
     rows.append(
         f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
-        f"{absorbed} tokens absorbed per round, target {args.target_setup}; windowed = the ring read in place "
+        f"{absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the rest; each MTP "
+        f"forward includes the shared LM head on its last position), target {args.target_setup}; windowed = the ring read in place "
         "(static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the win column is "
         f"{records[0]['windowed_layout'].replace('_', ' ')}'s; random weights, caches filled with random keys/values "
         "(cost depends on shapes only)."
