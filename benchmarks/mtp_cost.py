@@ -218,9 +218,8 @@ def main() -> None:
                 for key, value in block.items():
                     samples[key].append(value)
 
-        def draft_s(
-            method, i, g, samples=samples
-        ):  # γ = g drafts: t_ctx_draft + the first g − 1 steps of repeat i
+        def draft_s(method, i, g, samples=samples):
+            """Draft seconds of a round of γ = g drafts in repeat i: t_ctx_draft + the first g − 1 steps."""
             ctx, *fwd = samples[method][i]
             return ctx + sum(fwd[: g - 1])
 
@@ -306,8 +305,8 @@ def main() -> None:
         f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
         f"{absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the rest; each MTP "
-        f"forward includes the shared LM head on its last position), target {args.target_setup}; windowed = the ring read in place "
-        "(static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the win column is "
+        f"forward includes the shared LM head on its last position), target {args.target_setup}; windowed = the ring "
+        "read in place (static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the win column is "
         f"{records[0]['windowed_layout'].replace('_', ' ')}'s; random weights, caches filled with random keys/values "
         "(cost depends on shapes only)."
     )
