@@ -69,10 +69,14 @@ def perplexity(model, ids: torch.LongTensor, context: int) -> float:
 
 
 @torch.inference_mode()
-def top1_agreement(drafter, target, ids: torch.LongTensor, start: int = 0) -> float:
-    """Share of positions >= `start` of `ids` [T] where the drafter's and the target's next-token argmax agree."""
-    drafter_top1, target_top1 = (m(ids[None]).logits[0, start:].argmax(-1) for m in (drafter, target))
-    return (drafter_top1 == target_top1).float().mean().item()
+def top1(model, ids: torch.LongTensor, start: int = 0) -> torch.LongTensor:
+    """`model`'s next-token argmax at positions >= `start` of `ids` [T]: [T - start]."""
+    return model(ids[None]).logits[0, start:].argmax(-1)
+
+
+def top1_agreement(drafter, target_top1: torch.LongTensor, ids: torch.LongTensor, start: int = 0) -> float:
+    """Share of positions >= `start` of `ids` [T] where the drafter's argmax equals `target_top1` [T - start]."""
+    return (top1(drafter, ids, start) == target_top1).float().mean().item()
 
 
 @torch.inference_mode()
@@ -121,11 +125,12 @@ def main() -> None:
         ppl = perplexity(demo.target, ids, context)
         metrics["target"][f"eval perplexity, {context}-token windows (same 16,384 tokens)"] = f"{ppl:.2f}"
         print(f"perplexity @{context}: {ppl:.2f}", flush=True)
-    on_policy = greedy_continuation(demo.target, ids[:2048], 256)
+    on_policy = greedy_continuation(demo.target, ids[:2048], 256)[:-1]
+    target_top1, target_on_policy_top1 = top1(demo.target, ids[:2048]), top1(demo.target, on_policy, 2047)
     for name in ("base_drafter", "drafter"):
-        agreement = top1_agreement(getattr(demo, name), demo.target, ids[:2048])
+        agreement = top1_agreement(getattr(demo, name), target_top1, ids[:2048])
         metrics[name]["top-1 agreement with the target, 2,048 eval tokens, full cache"] = f"{agreement:.1%}"
-        agreement = top1_agreement(getattr(demo, name), demo.target, on_policy[:-1], start=2047)
+        agreement = top1_agreement(getattr(demo, name), target_on_policy_top1, on_policy, 2047)
         metrics[name][
             "top-1 agreement on the target's own greedy continuation (256 tokens after those 2,048)"
         ] = f"{agreement:.1%}"
