@@ -14,8 +14,11 @@ tensor at every draft forward (the dynamic ring layers) — the same keys, one c
 Costs depend on shapes, not values: the caches are filled with random keys/values of the given context length
 (no 64K prefill). `--shape` picks the target: `qwen3-0.6b` (default) has Qwen3-0.6B's layer shapes (hidden 1024,
 16 heads / 8 KV heads of 128, MLP 3072) in a GLM-4-style dense model of 8 layers with a 32K vocabulary (the LM
-head is ~20% of the target's weights, as on Qwen3.6-35B-A3B's active path); `demo` is the bundled demo target's
-shape (hidden 320), where per-op overhead, not attention, dominates. Draft step j runs MTP layer j mod `--depth`
+head is ~20% of the target's weights, as on Qwen3.6-35B-A3B's active path) and an MTP layer of the same active size
+(a MoE block, as transformers builds GLM-4 MTP layers: 2 of 8 routed experts of 1,024 + one shared = 3,072);
+`demo` is the bundled demo target's shape (hidden 320, its MTP layer's 2 experts top-1 + 1 shared of 192), where
+per-op overhead, not attention, dominates. `--dtype bfloat16` runs weights, activations and caches in bf16, the
+dtype MTP checkpoints ship in (on CPUs with AMX the bf16 attention kernel makes verification nearly flat in γ). Draft step j runs MTP layer j mod `--depth`
 (one MTP layer reused γ times, as SGLang/vLLM draft several tokens from DeepSeek-V3's single MTP layer). Both
 draft caches append in O(1) (native: preallocated `GrowableLayer`s, like a paged cache; transformers' own
 `MtpCache` copies its whole cache on every append, which would inflate the win), so the win is the attention read
@@ -50,19 +53,24 @@ from hf_budgetdraft.cache import GrowableLayer
 from hf_budgetdraft.generation.mtp import WindowedMtpCache
 
 SHAPES = {
+    # MoE fields: transformers builds GLM-4 MTP layers as MoE blocks whatever `first_k_dense_replace` says; the
+    # active width (top-k routed + shared, × moe_intermediate_size) is set to the dense layers' intermediate_size
     "qwen3-0.6b": dict(
         vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128,
+        head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=1024,
     ),
+    # the bundled demo target's own MTP layer: 2 routed experts top-1 + 1 shared, 192 wide
     "demo": dict(
         vocab_size=2048, hidden_size=320, intermediate_size=1024, num_attention_heads=10, num_key_value_heads=2,
-        head_dim=32,
+        head_dim=32, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1, moe_intermediate_size=192,
     ),
 }  # fmt: skip
 
 
 def target_config(shape: str, depth: int, max_positions: int) -> Glm4MoeConfig:
-    """An 8-layer GLM-4-style target, every layer (MTP layers included) dense, partial RoPE."""
+    """An 8-layer GLM-4-style target, dense decoder layers, partial RoPE; its MTP layers are MoE blocks (as
+    transformers builds them) with the active width of a dense layer, like DeepSeek-V3's MTP module, which is one more
+    block of the main model."""
     layers = 8
     return Glm4MoeConfig(
         **SHAPES[shape], num_hidden_layers=layers, first_k_dense_replace=layers + depth,
@@ -77,10 +85,11 @@ def growable_mtp_cache(config, capacity: int) -> MtpCache:
     return cache
 
 
-def fill(cache, num_layers: int, length: int, heads: int, dim: int) -> None:
-    """Fill a cache to `length` tokens with random keys/values (chunks, so the sparse layers see a prefill)."""
+def fill(cache, num_layers: int, length: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+    """Fill a cache to `length` tokens with random `dtype` keys/values."""
     for layer in range(num_layers):
-        keys, values = torch.randn(1, heads, length, dim), torch.randn(1, heads, length, dim)
+        keys = torch.randn(1, heads, length, dim, dtype=dtype)
+        values = torch.randn(1, heads, length, dim, dtype=dtype)
         cache.update(keys, values, layer)
 
 
@@ -134,6 +143,13 @@ def main() -> None:
         "mask) + GrowableCache (this package), 'stock' = sdpa + "
         "DynamicCache (transformers' default)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights, activations and caches; bfloat16 runs the matmuls and attention on the CPU's bf16 units "
+        "(AMX / AVX512-BF16 where present), the dtype MTP checkpoints ship in",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
@@ -148,10 +164,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = target_config(args.shape, args.depth, max(args.contexts) + 64)
-    target = Glm4MoeForCausalLM(config).eval()
+    dtype = getattr(torch, args.dtype)
+    target = Glm4MoeForCausalLM(config).to(dtype).eval()
     if args.target_setup == "fast":
         target.set_attn_implementation("budgetdraft_varlen")  # the MTP head shares it (static ring needs it)
-    mtp = MtpModel(target, args.depth).eval()
+    mtp = MtpModel(target, args.depth).to(dtype).eval()
     heads, dim, hidden = config.num_key_value_heads, config.head_dim, config.hidden_size
     absorbed = args.accepted + 1  # the accepted tokens and the target's bonus token
     gammas = list(range(1, args.gamma + 1))
@@ -165,7 +182,7 @@ def main() -> None:
             target_cache = GrowableCache(config=config, initial_capacity=capacity)
         else:
             target_cache = DynamicCache(config=config)
-        fill(target_cache, config.num_hidden_layers, context, heads, dim)
+        fill(target_cache, config.num_hidden_layers, context, heads, dim, dtype)
         mtp_config = config.get_mtp_config()
         window = dict(config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack)
         caches = {"native": growable_mtp_cache(mtp_config, capacity)}
@@ -175,7 +192,7 @@ def main() -> None:
         caches["windowed_gather"] = WindowedMtpCache(**window)
         windowed = "windowed" if "windowed" in caches else "windowed_gather"
         for cache in caches.values():
-            fill(cache, args.depth, context, heads, dim)
+            fill(cache, args.depth, context, heads, dim, dtype)
 
         def verify(gamma, cache=target_cache, context=context):
             """The target scores the γ drafts and the token before them: γ + 1 tokens on its full cache."""
@@ -189,7 +206,7 @@ def main() -> None:
             cache = caches[method]
             appended = [0] * args.depth
             state = {
-                "hidden": torch.randn(1, absorbed, hidden),
+                "hidden": torch.randn(1, absorbed, hidden, dtype=dtype),
                 "ids": torch.randint(0, config.vocab_size, (1, absorbed)),
             }
 
@@ -265,7 +282,9 @@ def main() -> None:
         del target_cache, caches
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    name = f"mtp_cost_{args.shape}_{args.target_setup}"
+    name = f"mtp_cost_{args.shape}_{args.target_setup}" + (
+        "" if args.dtype == "float32" else f"_{args.dtype}"
+    )
     summary = {
         "threads": args.threads,
         "torch": torch.__version__,
@@ -304,7 +323,7 @@ def main() -> None:
     rows.append(
         f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
-        f"{absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the rest; each MTP "
+        f"{args.dtype}, {absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the rest; each MTP "
         f"forward includes the shared LM head on its last position), target {args.target_setup}; windowed = the ring "
         "read in place (static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the "
         f"win column is {records[0]['windowed_layout'].replace('_', ' ')}'s; random weights, caches filled with random "

@@ -9,7 +9,7 @@ MTP exactly.
 `cache_config={"static": True}` (with the model loaded with `attn_implementation="budgetdraft_varlen"`) keeps the
 ring in slot order: each draft step — and the step that absorbs a round's verified tokens — reads the sink + ring
 buffer in place under a slot mask instead of gathering `[sink, window, new]` into a fresh tensor, a copy of the
-whole window per step (at W = 4,032 on CPU ~2 ms of a 13.5 ms step, benchmarks/mtp_cost.py).
+whole window per step (at W = 4,032 on CPU 0.7-3.2 ms of a 10-14 ms step, benchmarks/mtp_cost.py).
 """
 
 from __future__ import annotations
