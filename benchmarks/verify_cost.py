@@ -14,7 +14,9 @@ For each context length the prompt is prefilled once and copied into every setup
 interleaved rounds (setups and block sizes in a rotating order), each setup runs a forward of `q` tokens
 (q ∈ `--verify-lengths`, 1 = the decode step) and rolls it back with `crop(-q)`, so the context stays fixed. Ratios
 are of medians, with 95% bootstrap intervals over rounds (paired: one round gives both numerator and denominator).
-Also checked: the `fast` logits equal the `stock` ones (max |diff| reported). Goal (issue 6): verifying ≤ 8 tokens at
+Also checked: the `fast` logits equal the `stock` ones (max |diff| reported). `--dtype bfloat16` runs the same
+model in bf16 (`verify_cost_bfloat16.{json,md}`): on CPUs with AMX the bf16 attention kernel makes the grouped rows
+of a verification far cheaper than in fp32, where they are compute-bound. Goal (issue 6): verifying ≤ 8 tokens at
 16K costs ≤ 1.5x a one-token step.
 
 Run it alone (no other busy process: on 2 cores a second one stalls torch's threads) and report the threads:
@@ -123,6 +125,12 @@ def main() -> None:
     parser.add_argument("--setups", nargs="+", default=["stock", "fast"], choices=list(SETUPS))
     parser.add_argument("--repeats", type=int, default=15, help="interleaved rounds per context")
     parser.add_argument("--inner", type=int, default=2, help="forwards averaged per measurement")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights, activations and cache; bfloat16 uses the CPU's bf16 units (AMX / AVX512-BF16 where present)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
@@ -147,12 +155,12 @@ def main() -> None:
     )
     torch.manual_seed(args.seed)
     config = target_config(max(args.contexts) + max(lengths) + 1)
-    base = LlamaForCausalLM(config).eval()
+    dtype = getattr(torch, args.dtype)
+    base = LlamaForCausalLM(config).to(dtype).eval()
     models = {}  # one model per attention implementation, same weights
     for attn in dict.fromkeys([SETUPS[name][0] for name in args.setups] + ["budgetdraft_sdpa"]):
-        models[attn] = LlamaForCausalLM(
-            copy.deepcopy(config)
-        ).eval()  # own config: it holds the attention choice
+        # own config: it holds the attention choice
+        models[attn] = LlamaForCausalLM(copy.deepcopy(config)).to(dtype).eval()
         models[attn].load_state_dict(base.state_dict())
         models[attn].set_attn_implementation(attn)
     num_parameters = sum(p.numel() for p in base.parameters())
@@ -274,7 +282,8 @@ def main() -> None:
         "records": records,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "verify_cost.json").write_text(json.dumps(summary, indent=2))
+    stem = "verify_cost" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    (args.output_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
 
     header = "| context | tokens | " + " | ".join(f"{n} (ms)" for n in args.setups)
     header += " | " + " | ".join(f"{n}: q / 1-token [95% CI]" for n in args.setups)
@@ -312,13 +321,13 @@ def main() -> None:
         )
     rows.append("")
     rows.append(
-        f"{num_parameters / 1e6:.1f}M-parameter random Llama, {torch.get_num_threads()} torch threads, "
+        f"{num_parameters / 1e6:.1f}M-parameter random Llama in {args.dtype}, {torch.get_num_threads()} torch threads, "
         f"{args.repeats} interleaved rounds x {args.inner} forwards, medians. Load average before/after: "
         f"{load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} CPUs) — trust these numbers only from a run "
         "with nothing else busy."
     )
     table = "\n".join(rows)
-    (args.output_dir / "verify_cost.md").write_text(table + "\n")
+    (args.output_dir / f"{stem}.md").write_text(table + "\n")
     print(table)
 
 
