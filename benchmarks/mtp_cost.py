@@ -18,8 +18,9 @@ head is ~20% of the target's weights, as on Qwen3.6-35B-A3B's active path) and a
 (a MoE block, as transformers builds GLM-4 MTP layers: 2 of 8 routed experts of 1,024 + one shared = 3,072);
 `demo` is the bundled demo target's shape (hidden 320, its MTP layer's 2 experts top-1 + 1 shared of 192), where
 per-op overhead, not attention, dominates. `--dtype bfloat16` runs weights, activations and caches in bf16, the
-dtype MTP checkpoints ship in (on CPUs with AMX the bf16 attention kernel makes verification nearly flat in γ). Draft step j runs MTP layer j mod `--depth`
-(one MTP layer reused γ times, as SGLang/vLLM draft several tokens from DeepSeek-V3's single MTP layer). Both
+dtype MTP checkpoints ship in (on CPUs with AMX the bf16 attention kernel makes verification nearly flat in γ).
+Draft step j runs MTP layer j mod `--depth` (one MTP layer reused γ times, as SGLang/vLLM draft several tokens from
+DeepSeek-V3's single MTP layer). Both
 draft caches append in O(1) (native: preallocated `GrowableLayer`s, like a paged cache; transformers' own
 `MtpCache` copies its whole cache on every append, which would inflate the win), so the win is the attention read
 alone. Phases are timed interleaved (verify, native draft, windowed drafts, ...) in `--repeats` blocks, each block
@@ -323,8 +324,9 @@ def main() -> None:
     rows.append(
         f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
-        f"{args.dtype}, {absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the rest; each MTP "
-        f"forward includes the shared LM head on its last position), target {args.target_setup}; windowed = the ring "
+        f"{args.dtype}, {absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the "
+        f"rest; each MTP forward includes the shared LM head on its last position), target {args.target_setup}; "
+        "windowed = the ring "
         "read in place (static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the "
         f"win column is {records[0]['windowed_layout'].replace('_', ' ')}'s; random weights, caches filled with random "
         "keys/values (cost depends on shapes only)."
