@@ -326,10 +326,9 @@ def main() -> None:
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
         f"{args.dtype}, {absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the "
         f"rest; each MTP forward includes the shared LM head on its last position), target {args.target_setup}; "
-        "windowed = the ring "
-        "read in place (static slots + slot mask), windowed gather = `[sink, window, new]` gathered each forward; the "
-        f"win column is {records[0]['windowed_layout'].replace('_', ' ')}'s; random weights, caches filled with random "
-        "keys/values (cost depends on shapes only)."
+        "windowed = the ring read in place (static slots + slot mask), windowed gather = `[sink, window, new]` "
+        f"gathered each forward; the win column is {records[0]['windowed_layout'].replace('_', ' ')}'s; random "
+        "weights, caches filled with random keys/values (cost depends on shapes only)."
     )
     table = "\n".join(rows)
     (args.output_dir / f"{name}.md").write_text(table + "\n")
