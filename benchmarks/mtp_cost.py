@@ -29,8 +29,9 @@ rolled back with `crop`.
 Reports per context: t_verify (γ + 1 tokens) for γ = 1, 3 and `--gamma`; t_ctx_draft and mean t_fwd_draft per
 method with a least-squares fit of the draft time over γ = 1..`--gamma`, draft = c + γ·t_fwd (standard errors; c =
 t_ctx_draft − t_fwd_draft);
-win% = step_native / step_windowed − 1 at those γ (and at γ = `--gamma` for the gathering layout); and the draft-KV
-bytes reclaimed (also as a share of all KV).
+win% = step_native / step_windowed − 1 at those γ (and at γ = `--gamma` for the gathering layout); the ceiling: the
+win of the same ring with a `--ceiling-window`-token window (64), whose attention reads next to nothing — about the
+most any window can win at these shapes; and the draft-KV bytes reclaimed (also as a share of all KV).
 Run alone:
     python benchmarks/mtp_cost.py --threads 2 --output-dir bench-out
 """
@@ -137,6 +138,13 @@ def main() -> None:
     parser.add_argument("--sink", type=int, default=64)
     parser.add_argument("--window", type=int, default=4032)
     parser.add_argument(
+        "--ceiling-window",
+        type=int,
+        default=64,
+        help="also time a draft whose window is only this long (sink + ceiling-window): its win is about the most "
+        "any window can win at these shapes, since its attention reads next to nothing; 0 skips it",
+    )
+    parser.add_argument(
         "--target-setup",
         choices=["fast", "stock"],
         default="fast",
@@ -159,8 +167,11 @@ def main() -> None:
         or not 1 <= args.depth <= 8
         or not 2 <= args.gamma <= 16
         or args.repeats > 1000
+        or not 0 <= args.ceiling_window < args.window
     ):
-        parser.error("contexts <= 262144, 1 <= depth <= 8, 2 <= gamma <= 16, repeats <= 1000")
+        parser.error(
+            "contexts <= 262144, 1 <= depth <= 8, 2 <= gamma <= 16, repeats <= 1000, 0 <= ceiling-window < window"
+        )
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -192,6 +203,9 @@ def main() -> None:
             caches["windowed"] = WindowedMtpCache(**window, static=True)
         caches["windowed_gather"] = WindowedMtpCache(**window)
         windowed = "windowed" if "windowed" in caches else "windowed_gather"
+        if args.ceiling_window:  # the windowed layout with a near-empty window: what no window can beat
+            ceiling = {**window, "window_length": args.ceiling_window, "static": windowed == "windowed"}
+            caches["ceiling"] = WindowedMtpCache(**ceiling)
         for cache in caches.values():
             fill(cache, args.depth, context, heads, dim, dtype)
 
@@ -262,7 +276,7 @@ def main() -> None:
             record[f"{method}_fit"] = fit_line([g for g, _ in pairs], [t for _, t in pairs])
             record[f"{method}_draft_kv_bytes"] = cache_nbytes(caches[method])
         record["windowed_layout"] = windowed
-        for method in ("windowed", "windowed_gather"):
+        for method in ("windowed", "windowed_gather", "ceiling"):
             if method in caches:
                 record[f"{method}_win_percent"] = {
                     g: 100 * (record["native_round_ms"][g] / record[f"{method}_round_ms"][g] - 1)
@@ -296,13 +310,19 @@ def main() -> None:
     methods = [m for m in ("native", "windowed", "windowed_gather") if f"{m}_fwd_ms" in records[0]]
     shown = " / ".join(m.replace("_", " ") for m in methods)
     gather = "windowed_gather_win_percent" in records[0] and "windowed_win_percent" in records[0]
+    ceiling = "ceiling_win_percent" in records[0]
     rows = [
         f"| context | t_verify at γ = {' / '.join(map(str, headline))} (ms) | t_ctx_draft {shown} (ms) "
         f"| t_fwd_draft {shown} (ms) | fit t_fwd {shown} (ms ± SE) | step {shown} at γ={args.gamma} (ms) "
         f"| win at γ = {' / '.join(map(str, headline))}"
         + (f" | win of windowed gather at γ={args.gamma}" if gather else "")
+        + (
+            f" | ceiling: win with a {args.ceiling_window}-token window at γ = {' / '.join(map(str, headline))}"
+            if ceiling
+            else ""
+        )
         + " | draft KV reclaimed (MiB, share of all KV) |",
-        "|---|---|---|---|---|---|---|" + ("---|" if gather else "") + "---|",
+        "|---|---|---|---|---|---|---|" + ("---|" if gather else "") + ("---|" if ceiling else "") + "---|",
     ]
     for r in records:
         wins = " / ".join(f"{w:+.0f}%" for w in r["win_percent"].values())
@@ -317,6 +337,7 @@ def main() -> None:
             " / ".join(f"{r[f'{m}_round_ms'][args.gamma]:.1f}" for m in methods),
             wins,
             *([f"{r['windowed_gather_win_percent'][args.gamma]:+.0f}%"] if gather else []),
+            *([" / ".join(f"{w:+.0f}%" for w in r["ceiling_win_percent"].values())] if ceiling else []),
             f"{r['reclaimed_kv_bytes'] / 2**20:.1f} ({100 * r['reclaimed_share_of_all_kv']:.1f}%)",
         ]
         rows.append("| " + " | ".join(cells) + " |")
@@ -329,6 +350,13 @@ def main() -> None:
         "windowed = the ring read in place (static slots + slot mask), windowed gather = `[sink, window, new]` "
         f"gathered each forward; the win column is {records[0]['windowed_layout'].replace('_', ' ')}'s; random "
         "weights, caches filled with random keys/values (cost depends on shapes only)."
+        + (
+            f" Ceiling = the same layout with sink {args.sink} + a {args.ceiling_window}-token window, timed in the "
+            "same pass: its draft attention reads next to nothing, so its win is about the most any window can win "
+            "at these shapes on this machine."
+            if ceiling
+            else ""
+        )
     )
     table = "\n".join(rows)
     (args.output_dir / f"{name}.md").write_text(table + "\n")
