@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig, DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_budgetdraft  # noqa: F401
-from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes
+from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes, draft_step_compile_config
 from hf_budgetdraft.random_models import random_llama_config
 
 
@@ -104,7 +104,7 @@ def main() -> None:
         "full": model,
         "sink_window": model,
         "budgeted": model,
-        "budgeted_compiled": static_model.get_compiled_call(CompileConfig(mode="default", dynamic=False)),
+        "budgeted_compiled": static_model.get_compiled_call(draft_step_compile_config(static_model.device)),
     }
     token = torch.tensor([[7]])
     records = []

@@ -18,6 +18,7 @@ from .cache import (
     StreamingPolicy,
     cache_nbytes,
 )
+from .generation.candidate_generator import draft_step_compile_config
 from .generation.stats import SpeculationStats, record_speculation
 
 integration.install()
@@ -34,6 +35,7 @@ __all__ = [
     "SpeculationStats",
     "StreamingPolicy",
     "cache_nbytes",
+    "draft_step_compile_config",
     "query_capture",
     "record_speculation",
 ]

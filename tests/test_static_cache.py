@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 from tiny_models import model_pair, random_prompt, tiny_config
 from transformers import AutoModelForCausalLM, CompileConfig
 
-from hf_budgetdraft import BudgetedCache, SinkWindowCache, query_capture, record_speculation
+from hf_budgetdraft import (
+    BudgetedCache,
+    SinkWindowCache,
+    draft_step_compile_config,
+    query_capture,
+    record_speculation,
+)
 from hf_budgetdraft.attention.varlen import STATIC_LAYER_KWARG
 from hf_budgetdraft.cache import BudgetedLayer, SinkWindowLayer, get_policy
 from hf_budgetdraft.cache.static import StaticBudgetedLayer, StaticSinkWindowLayer
@@ -231,6 +237,14 @@ def test_decode_step_compiles_fullgraph_once_and_matches_dynamic(cache_class, kw
                 dynamic.crop(-3)
     assert len(graphs) == 1, f"the decode step recompiled: {len(graphs)} graphs"
     assert static.layers[0].keys.shape[2] == static.layers[0].num_slots  # the buffer never grew
+
+
+def test_draft_step_compile_config_per_device():
+    """One static graph either way: CUDA graphs on CUDA; elsewhere inductor's C++ wrapper (the step of a small
+    drafter is mostly the Python wrapper's overhead otherwise)."""
+    cpu, cuda = draft_step_compile_config("cpu"), draft_step_compile_config(torch.device("cuda", 0))
+    assert (cpu.dynamic, cpu.mode, cpu.options) == (False, None, {"cpp_wrapper": True})
+    assert (cuda.dynamic, cuda.mode, cuda.options) == (False, "reduce-overhead", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
+from ..generation.candidate_generator import draft_step_compile_config
 from ..generation.stats import SpeculationStats, record_speculation
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
@@ -231,12 +231,8 @@ def _configure_drafter(
     config.num_assistant_tokens = gamma
     config.num_assistant_tokens_schedule = "constant"
     config.assistant_confidence_threshold = confidence_threshold
-    config.compile_config = None
-    if (
-        compiled
-    ):  # one static graph per draft-cache shape (budget); CUDA graphs on CUDA, inductor's plain mode off it
-        mode = "reduce-overhead" if drafter.device.type == "cuda" else "default"
-        config.compile_config = CompileConfig(dynamic=False, mode=mode)
+    # one static graph per draft-cache shape (budget)
+    config.compile_config = draft_step_compile_config(drafter.device) if compiled else None
 
 
 def sparse_cache_config(

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import torch
+from transformers import CompileConfig
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, SparseDraftCache
+
+
+def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
+    """How to compile a static draft cache's one-token step (set it as `drafter.generation_config.compile_config`).
+
+    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: CUDA graphs (`reduce-overhead`).
+    Elsewhere: inductor with its C++ wrapper, which calls the generated kernels from C++ instead of a Python
+    wrapper; for a small drafter the step is mostly that overhead (the bundled drafter: 0.86 vs 0.97 ms a step on
+    2 CPU threads, same outputs; the first compilation takes ~15 s instead of ~6 s).
+    """
+    if torch.device(device).type == "cuda":
+        return CompileConfig(dynamic=False, mode="reduce-overhead")
+    return CompileConfig(dynamic=False, mode=None, options={"cpp_wrapper": True})
 
 
 class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
