@@ -34,6 +34,8 @@ win of the same ring with a `--ceiling-window`-token window (64), whose attentio
 most any window can win at these shapes; and the draft-KV bytes reclaimed (also as a share of all KV).
 Run alone:
     python benchmarks/mtp_cost.py --threads 2 --output-dir bench-out
+On a GPU (the paper's setting; not run here, no GPU was lent):
+    python benchmarks/mtp_cost.py --device cuda --dtype bfloat16 --contexts 32768 65536 131072 --repeats 10
 """
 
 from __future__ import annotations
@@ -87,18 +89,24 @@ def growable_mtp_cache(config, capacity: int) -> MtpCache:
     return cache
 
 
-def fill(cache, num_layers: int, length: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+def fill(
+    cache, num_layers: int, length: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """Fill a cache to `length` tokens with random `dtype` keys/values."""
     for layer in range(num_layers):
-        keys = torch.randn(1, heads, length, dim, dtype=dtype)
-        values = torch.randn(1, heads, length, dim, dtype=dtype)
+        keys = torch.randn(1, heads, length, dim, dtype=dtype, device=device)
+        values = torch.randn(1, heads, length, dim, dtype=dtype, device=device)
         cache.update(keys, values, layer)
 
 
 @torch.inference_mode()
-def timed(fn) -> float:
+def timed(fn, device: torch.device) -> float:
+    """Wall seconds of `fn()`, the device's queued work included."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    synchronize()
     start = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -159,9 +167,18 @@ def main() -> None:
         help="weights, activations and caches; bfloat16 runs the matmuls and attention on the CPU's bf16 units "
         "(AMX / AVX512-BF16 where present), the dtype MTP checkpoints ship in",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda: the same phases timed on a GPU (synchronised around every phase); the fast "
+        "setup's verification and ring then run budgetdraft_varlen's CUDA path (verified on CPU only so far)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
+    device = torch.device(args.device) if args.device.split(":")[0] in ("cpu", "cuda") else None
+    if device is None or (device.type == "cuda" and not torch.cuda.is_available()):
+        parser.error(f"--device {args.device!r}: expected cpu, or cuda on a machine where torch sees a GPU")
     if (
         max(args.contexts) > 262144
         or not 1 <= args.depth <= 8
@@ -177,10 +194,10 @@ def main() -> None:
     torch.manual_seed(0)
     config = target_config(args.shape, args.depth, max(args.contexts) + 64)
     dtype = getattr(torch, args.dtype)
-    target = Glm4MoeForCausalLM(config).to(dtype).eval()
+    target = Glm4MoeForCausalLM(config).to(device=device, dtype=dtype).eval()
     if args.target_setup == "fast":
         target.set_attn_implementation("budgetdraft_varlen")  # the MTP head shares it (static ring needs it)
-    mtp = MtpModel(target, args.depth).to(dtype).eval()
+    mtp = MtpModel(target, args.depth).to(device=device, dtype=dtype).eval()
     heads, dim, hidden = config.num_key_value_heads, config.head_dim, config.hidden_size
     absorbed = args.accepted + 1  # the accepted tokens and the target's bonus token
     gammas = list(range(1, args.gamma + 1))
@@ -194,7 +211,7 @@ def main() -> None:
             target_cache = GrowableCache(config=config, initial_capacity=capacity)
         else:
             target_cache = DynamicCache(config=config)
-        fill(target_cache, config.num_hidden_layers, context, heads, dim, dtype)
+        fill(target_cache, config.num_hidden_layers, context, heads, dim, dtype, device)
         mtp_config = config.get_mtp_config()
         window = dict(config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack)
         caches = {"native": growable_mtp_cache(mtp_config, capacity)}
@@ -207,12 +224,14 @@ def main() -> None:
             ceiling = {**window, "window_length": args.ceiling_window, "static": windowed == "windowed"}
             caches["ceiling"] = WindowedMtpCache(**ceiling)
         for cache in caches.values():
-            fill(cache, args.depth, context, heads, dim, dtype)
+            fill(cache, args.depth, context, heads, dim, dtype, device)
 
         def verify(gamma, cache=target_cache, context=context):
             """The target scores the γ drafts and the token before them: γ + 1 tokens on its full cache."""
-            ids = torch.randint(0, config.vocab_size, (1, gamma + 1))
-            target(ids, cache=cache, position_ids=torch.arange(context, context + gamma + 1)[None])
+            ids = torch.randint(0, config.vocab_size, (1, gamma + 1), device=device)
+            target(
+                ids, cache=cache, position_ids=torch.arange(context, context + gamma + 1, device=device)[None]
+            )
             cache.crop(-(gamma + 1))
 
         def draft_round(method, context=context, caches=caches) -> list[float]:
@@ -221,22 +240,22 @@ def main() -> None:
             cache = caches[method]
             appended = [0] * args.depth
             state = {
-                "hidden": torch.randn(1, absorbed, hidden, dtype=dtype),
-                "ids": torch.randint(0, config.vocab_size, (1, absorbed)),
+                "hidden": torch.randn(1, absorbed, hidden, dtype=dtype, device=device),
+                "ids": torch.randint(0, config.vocab_size, (1, absorbed), device=device),
             }
 
             def step(layer, position):
                 """One MTP forward plus the shared head on its last position: the next draft token."""
                 tokens = state["ids"].shape[1]
-                positions = torch.arange(position, position + tokens)[None]
+                positions = torch.arange(position, position + tokens, device=device)[None]
                 out = mtp.forward_layer(layer, state["hidden"], positions, cache, input_ids=state["ids"])
                 state["hidden"] = out[:, -1:]
                 state["ids"] = mtp._project_to_logits(state["hidden"]).argmax(-1)
                 appended[layer] += tokens
 
-            times = [timed(lambda: step(0, context))]
+            times = [timed(lambda: step(0, context), device)]
             for j in range(1, args.gamma):
-                times.append(timed(lambda j=j: step(j % args.depth, context + absorbed + j - 1)))
+                times.append(timed(lambda j=j: step(j % args.depth, context + absorbed + j - 1), device))
             for layer, tokens in enumerate(appended):
                 if tokens:
                     cache.layers[layer].crop(-tokens)
@@ -244,7 +263,7 @@ def main() -> None:
 
         samples = {**{("verify", g): [] for g in headline}, **{m: [] for m in caches}}
         for repeat in range(args.repeats + 1):  # the first block is a warm-up
-            block = {**{("verify", g): timed(lambda g=g: verify(g)) for g in headline}}
+            block = {**{("verify", g): timed(lambda g=g: verify(g), device) for g in headline}}
             block.update({m: draft_round(m) for m in caches})
             if repeat:
                 for key, value in block.items():
@@ -300,8 +319,11 @@ def main() -> None:
     name = f"mtp_cost_{args.shape}_{args.target_setup}" + (
         "" if args.dtype == "float32" else f"_{args.dtype}"
     )
+    name += "" if device.type == "cpu" else f"_{device.type}"
+    where = f"{args.threads} torch threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     summary = {
         "threads": args.threads,
+        "device": where,
         "torch": torch.__version__,
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
@@ -343,7 +365,7 @@ def main() -> None:
         rows.append("| " + " | ".join(cells) + " |")
     rows.append("")
     rows.append(
-        f"Shape {args.shape}, {args.threads} torch threads, run alone, {args.repeats} interleaved repeats (medians), "
+        f"Shape {args.shape}, {where}, run alone, {args.repeats} interleaved repeats (medians), "
         f"sink {args.sink}, window {args.window}, MTP depth {args.depth} (draft step j runs layer j mod depth), "
         f"{args.dtype}, {absorbed} tokens absorbed per round (that pass emits draft 1, γ − 1 one-token steps the "
         f"rest; each MTP forward includes the shared LM head on its last position), target {args.target_setup}; "
