@@ -30,6 +30,8 @@ MTP_FAMILIES = {
         n_group=1,
         topk_group=1,
     ),
+    "sarvam_mla": {},
+    "sarvam_moe": {},
 }
 WINDOW = {"num_sink_tokens": 4, "window_length": 32}
 
