@@ -322,8 +322,7 @@ def main() -> None:
     rows.append("")
     rows.append(
         f"{num_parameters / 1e6:.1f}M-parameter random Llama in {args.dtype}, {torch.get_num_threads()} torch "
-        "threads, "
-        f"{args.repeats} interleaved rounds x {args.inner} forwards, medians. Load average before/after: "
+        f"threads, {args.repeats} interleaved rounds x {args.inner} forwards, medians. Load average before/after: "
         f"{load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} CPUs) — trust these numbers only from a run "
         "with nothing else busy."
     )
