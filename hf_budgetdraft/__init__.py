@@ -18,7 +18,8 @@ from .cache import (
     StreamingPolicy,
     cache_nbytes,
 )
-from .generation.candidate_generator import draft_step_compile_config
+from .generation.fast_path import DraftPlan, draft_step_compile_config
+from .generation.spec import DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
 
 integration.install()
@@ -28,6 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetedCache",
     "ChunkPolicy",
+    "DraftPlan",
+    "DraftSpec",
     "GrowableCache",
     "KeepPolicy",
     "SinkWindowCache",

@@ -1,7 +1,11 @@
 """The one place that hooks into transformers' `generate()` (tested against the pinned 5.24 range).
 
 `install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
-`"budgeted"` valid and wraps two `GenerationMixin` steps:
+`"budgeted"` valid and wraps three `GenerationMixin` steps:
+
+- `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
+  `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
+  static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa`; both restored after.
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextvars import ContextVar
 
 from transformers import PreTrainedConfig
 from transformers.generation import configuration_utils
@@ -36,7 +41,9 @@ from .cache import BudgetedCache, GrowableCache, SinkWindowCache, SparseDraftCac
 from .cache.base import MAX_CACHE_TOKENS
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
+from .generation.fast_path import DraftPlan, resolve_plan
 from .generation.mtp import expose_mtp_layers, windowed_mtp_cache
+from .generation.spec import DraftSpec
 from .generation.stats import active_recorder, instrument
 
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = {
@@ -45,19 +52,18 @@ SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = {
 }
 
 _originals: dict[str, object] = {}
+_current_plan: ContextVar[DraftPlan | None] = ContextVar("budgetdraft_draft_plan", default=None)
 
 
-def build_sparse_cache(name: str, config: PreTrainedConfig, cache_config: dict | None) -> SparseDraftCache:
-    """Build the cache named by `cache_implementation` from `generate()`'s `cache_config` dict."""
-    cache_class = SPARSE_CACHE_IMPLEMENTATIONS[name]
-    kwargs = dict(cache_config or {})
-    accepted = [p for p in inspect.signature(cache_class.__init__).parameters if p not in ("self", "config")]
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"cache_config keys {unknown} are not options of cache_implementation={name!r}; accepted: {accepted}"
-        )
-    return cache_class(config=config, **kwargs)
+def build_sparse_cache(
+    name: str, config: PreTrainedConfig, cache_config: dict | None, static: bool | None = None
+) -> SparseDraftCache:
+    """Build the cache named by `cache_implementation` from `generate()`'s `cache_config` dict (a `DraftSpec`'s
+    options); `static` overrides the spec's switch (`"auto"` alone means dynamic here)."""
+    spec = DraftSpec.from_cache_config(name, cache_config)
+    if static is None:
+        static = spec.static is True
+    return SPARSE_CACHE_IMPLEMENTATIONS[name](config=config, **spec.cache_kwargs(static))
 
 
 def _check_assistant(
@@ -138,13 +144,19 @@ def _get_candidate_generator(
             self, name, generation_config, assistant_model, stock_generator
         )
     elif name in SPARSE_CACHE_IMPLEMENTATIONS:
-        _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
+        plan = _current_plan.get()
+        if plan is None:  # reached without generate(): resolve here (no attention switch)
+            _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
+            plan = _plan(self, assistant_model, generation_config)
         generator = SparseDraftCandidateGenerator(
             input_ids=input_ids,
             assistant_model=assistant_model,
             generation_config=generation_config,
             model_kwargs=model_kwargs,
-            draft_cache=build_sparse_cache(name, assistant_model.config, generation_config.cache_config),
+            draft_cache=build_sparse_cache(
+                name, assistant_model.config, generation_config.cache_config, static=plan.spec.static
+            ),
+            plan=plan,
             inputs_tensor=inputs_tensor,
             logits_processor=logits_processor,
         )
@@ -158,6 +170,44 @@ def _get_candidate_generator(
     if stats is not None:
         instrument(generator, stats)
     return generator
+
+
+def _plan(target, assistant_model, generation_config) -> DraftPlan:
+    name, cache_config = generation_config.cache_implementation, generation_config.cache_config
+    spec = DraftSpec.from_cache_config(name, cache_config)
+    return resolve_plan(spec, cache_config, target, assistant_model, generation_config)
+
+
+def _assisted_decoding(self, *args, **kwargs):
+    """Sparse-draft calls run inside their `DraftPlan`: attention set for the call, restored after."""
+    generation_config = kwargs.get("generation_config")
+    assistant_model = kwargs.get("assistant_model")
+    builtin_draft = generation_config is not None and (
+        generation_config.use_mtp or generation_config.speculation_type == "dflash"
+    )
+    if (
+        generation_config is None
+        or generation_config.cache_implementation not in SPARSE_CACHE_IMPLEMENTATIONS
+        or builtin_draft
+    ):
+        return _originals["_assisted_decoding"](self, *args, **kwargs)
+    _check_assistant(
+        self,
+        assistant_model,
+        generation_config,
+        kwargs.get("tokenizer"),
+        kwargs.get("assistant_tokenizer"),
+    )
+    plan = _plan(self, assistant_model, generation_config)
+    stats = active_recorder()
+    if stats is not None:
+        stats.plan = plan
+    token = _current_plan.set(plan)
+    try:
+        with plan.applied(self, assistant_model):
+            return _originals["_assisted_decoding"](self, *args, **kwargs)
+    finally:
+        _current_plan.reset(token)
 
 
 def _prepare_cache_for_generation(
@@ -224,6 +274,8 @@ def install() -> None:
         n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     )
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS += missing
-    for method in (_get_candidate_generator, _prepare_cache_for_generation):
+    for method in (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding):
         _originals[method.__name__] = getattr(GenerationMixin, method.__name__)
         setattr(GenerationMixin, method.__name__, method)
+    # generate() reads the decoding method's signature to decide which arguments it passes (`inputs_tensor`)
+    _assisted_decoding.__signature__ = inspect.signature(_originals["_assisted_decoding"])

@@ -121,7 +121,7 @@ def test_greedy_draft_loop_proposes_what_nested_generate_proposes(monkeypatch, s
         if name == "nested generate":
             monkeypatch.setattr(
                 SparseDraftCandidateGenerator,
-                "_draft_greedily",
+                "_draft",
                 lambda self, args: AssistedCandidateGenerator._generate_candidates(self, args),
             )
         out, stats = speculate(target, drafter, ids, "budgeted-chunk", **kwargs)

@@ -316,19 +316,24 @@ def test_static_draft_step_compiles_once_when_asked(where, fresh_dynamo):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_static_needs_varlen_attention_at_construction_and_in_generate():
+def test_static_needs_varlen_attention_at_construction_but_generate_sets_it():
+    """Built by hand, a static cache refuses a drafter on stock attention; through `generate()` the call switches
+    the drafter to `budgetdraft_varlen` for the call and restores its attention after."""
     target, drafter = model_pair("llama", "sdpa")
     with pytest.raises(ValueError, match="attn_implementation='budgetdraft_varlen'"):
         SinkWindowCache(drafter.config, num_sink_tokens=4, window_length=8, static=True)
-    with pytest.raises(ValueError, match="attn_implementation='budgetdraft_varlen'"):
-        target.generate(
-            random_prompt(20),
-            assistant_model=drafter,
-            max_new_tokens=4,
-            cache_implementation="budgeted",
-            cache_config={"budget": 8, "policy": "streaming", "static": True},
-        )
-    with pytest.raises(TypeError, match="static must be a bool"):
+    ids = random_prompt(40)
+    out = target.generate(
+        ids,
+        assistant_model=drafter,
+        do_sample=False,
+        max_new_tokens=6,
+        cache_implementation="budgeted",
+        cache_config={"budget": 16, "policy": "streaming", "static": True},
+    )
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=6))
+    assert drafter.config._attn_implementation == "sdpa" and target.config._attn_implementation == "sdpa"
+    with pytest.raises(TypeError, match="static must be"):
         BudgetedCache(drafter.config, budget=16, static="yes")
 
 

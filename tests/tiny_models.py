@@ -74,14 +74,17 @@ def _pair(family: str, draft_layers: int, seed: int = 0):
 def model_pair(
     family: str,
     attn_implementation: str = "sdpa",
-    num_assistant_tokens: int = 3,
+    num_assistant_tokens: int | None = 3,
     draft_layers: int = TARGET_LAYERS,
 ):
     """`(target, drafter)`: the drafter is the target's first `draft_layers` layers plus its head (by default all
-    of them, so every rejected draft token is caused by the sparse draft cache). Fresh deep copies per call."""
+    of them, so every rejected draft token is caused by the sparse draft cache). Fresh deep copies per call.
+    `num_assistant_tokens=None` leaves the drafter's generation config as loaded (the package's defaults run)."""
     target, drafter = (copy.deepcopy(m) for m in _pair(family, draft_layers))
     for model in (target, drafter):
         model.set_attn_implementation(attn_implementation)
+    if num_assistant_tokens is None:
+        return target, drafter
     config = drafter.generation_config
     config.num_assistant_tokens = num_assistant_tokens
     config.num_assistant_tokens_schedule = "constant"

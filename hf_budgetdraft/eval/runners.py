@@ -33,7 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
-from ..generation.candidate_generator import draft_step_compile_config
+from ..generation.fast_path import draft_step_compile_config
 from ..generation.stats import SpeculationStats, record_speculation
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")

@@ -2,34 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
-from transformers import CompileConfig
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, SparseDraftCache
+from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, HeuristicDraftLength
+from .fast_path import DraftPlan, record_eager_steps
+
+logger = logging.get_logger(__name__)
 
 
-def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
-    """How to compile a static draft cache's one-token step (set it as `drafter.generation_config.compile_config`).
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: CUDA graphs (`reduce-overhead`).
-    Elsewhere: inductor with its C++ wrapper, which calls the generated kernels from C++ instead of a Python
-    wrapper; for a small drafter the step is mostly that overhead (the bundled drafter: 0.86 vs 0.97 ms a step on
-    2 CPU threads, same outputs; the first compilation takes ~15 s instead of ~6 s).
-    """
-    if torch.device(device).type == "cuda":
-        return CompileConfig(dynamic=False, mode="reduce-overhead")
-    return CompileConfig(dynamic=False, mode=None, options={"cpp_wrapper": True})
+
+def make_draft_length(plan: DraftPlan) -> DraftLength:
+    """The draft-length policy a plan names."""
+    length, maximum = plan.spec.draft_length, plan.spec.max_draft_length
+    if length == "adaptive":
+        return AdaptiveDraftLength(maximum=maximum)
+    if length == "heuristic":
+        return HeuristicDraftLength(length=plan.heuristic_start, maximum=maximum)
+    return FixedDraftLength(length=int(length))
 
 
 class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
     """`AssistedCandidateGenerator` with the assistant's cache replaced by a `SparseDraftCache`.
 
     Only the draft reads the sparse cache; the target verifies every candidate on its own full cache, so greedy
-    output equals the target's greedy output and sampling keeps the target's distribution. After each round the
-    draft cache is rolled back over the rejected tail with `crop(-n)` (never re-prefilled); the draft length,
-    including the "heuristic" schedule, is capped at the cache's rollback slack.
+    output equals the target's greedy output and sampling keeps the target's distribution (the candidate logits
+    returned are the processed draft distribution the tokens were sampled from, as speculative sampling needs).
+    Each round drafts the length its `DraftLength` policy picks (0: the target takes a plain AR step); the draft
+    cache is rolled back over the rejected tail with `crop(-n)`, never re-prefilled.
     """
 
     def __init__(
@@ -39,43 +49,55 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         generation_config,
         model_kwargs: dict,
         draft_cache: SparseDraftCache,
+        plan: DraftPlan,
         inputs_tensor: torch.Tensor | None = None,
         logits_processor=None,
     ):
         super().__init__(
             input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor, logits_processor
         )
-        if self.num_assistant_tokens > draft_cache.max_draft_tokens:
-            raise ValueError(
-                f"num_assistant_tokens={self.num_assistant_tokens} exceeds the draft cache's rollback slack "
-                f"({draft_cache.max_draft_tokens}); pass cache_config={{'slack': {int(self.num_assistant_tokens)}, ...}} "
-                "or lower num_assistant_tokens"
-            )
         draft_cache.activate_past_recording()  # sliding-window layers (if any) must be able to roll back too
         self.draft_cache = draft_cache
         self.assistant_kwargs["cache"] = draft_cache
+        self.plan = plan
+        self.draft_length = make_draft_length(plan)
         policy = getattr(draft_cache, "policy", None)
         self._capture_prefill_queries = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
-        self._draft_step = self._one_token_forward()
+        self._compiled = plan.spec.compile
+        self._draft_step = (
+            assistant_model.get_compiled_call(plan.compile_config) if self._compiled else assistant_model
+        )
+        self._compile_checked = False
+        self._round: dict = {}
+        self.draft_prefill_seconds = 0.0
 
-    def _one_token_forward(self):
-        """The drafter's forward for one-token draft steps: `torch.compile`d when the draft cache is static.
+    # -- a round -------------------------------------------------------------------------------------------------
+    def get_candidates(
+        self, input_ids: torch.LongTensor, **kwargs
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft this round's tokens: `(candidate_ids (1, L + n), candidate_logits (1, n, V) or None)`, n >= 0."""
+        _synchronize(input_ids.device)
+        start = time.perf_counter()
+        self.num_assistant_tokens = self.draft_length.next_length()
+        candidates, logits = input_ids, None
+        if self.num_assistant_tokens > 0:
+            candidates, logits = super().get_candidates(input_ids)
+        _synchronize(input_ids.device)
+        end = time.perf_counter()
+        self._round = {
+            "drafted": candidates.shape[-1] - input_ids.shape[-1],
+            "draft": end - start,
+            "end": end,
+        }
+        return candidates, logits
 
-        Compiled when the drafter's own `generation_config.compile_config` is set (any device, CPU included: there a
-        small drafter's step is mostly Python overhead) or where transformers auto-compiles a static cache's decode
-        loop (CUDA/XPU); never with `generate(..., disable_compile=True)`. (`generate()`'s own `compile_config` is the
-        target's: transformers clears it for the assistant.) A static cache's one-token step has fixed shapes, so it
-        compiles once and is reused at every context length; the prefill and multi-token feeds stay eager.
-        """
-        model, config = self.assistant_model, self.generation_config
-        if not self.draft_cache.static or config.disable_compile:
-            return model
-        compile_config = model.generation_config.compile_config
-        if compile_config is None and not model._valid_auto_compile_criteria(
-            {"cache": self.draft_cache}, config
-        ):
-            return model
-        return model.get_compiled_call(compile_config)
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        _synchronize(input_ids.device)
+        verify = time.perf_counter() - self._round["end"]
+        drafted, draft = self._round["drafted"], self._round["draft"]
+        self.draft_length.update(drafted, int(num_matches), draft, verify)
+        if drafted and self.plan.spec.static and not self._compiled:
+            record_eager_steps(self.assistant_model, draft)
 
     def _update_past_and_masks(
         self, input_ids: torch.LongTensor, remove_from_pkv: int = 0, num_added_tokens: int = 1
@@ -85,74 +107,106 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         # budgeted cache's compressed prefix right after the prefill.
         return super()._update_past_and_masks(input_ids, remove_from_pkv, num_added_tokens=0)
 
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        super().update_candidate_strategy(input_ids, scores, num_matches)
-        self.num_assistant_tokens = min(self.num_assistant_tokens, self.draft_cache.max_draft_tokens)
-
     def _generate_candidates(self, generation_args: dict):
-        if self._capture_prefill_queries:  # only the prefill is scored with queries
-            self._capture_prefill_queries = False
-            with query_capture(self.assistant_model):
-                return super()._generate_candidates(generation_args)
-        # sampling (and batches) keep the nested assistant generate() and its sampler
-        if self.generation_config.do_sample or generation_args[self.input_ids_key].shape[0] != 1:
+        if generation_args[self.input_ids_key].shape[0] != 1:  # batches keep the nested assistant generate()
             return super()._generate_candidates(generation_args)
-        return self._draft_greedily(generation_args)
+        return self._draft(generation_args)
+
+    # -- the draft loop ------------------------------------------------------------------------------------------
+    def _forward(
+        self, feed: torch.LongTensor, past: int, mask: torch.Tensor | None, padded: bool
+    ) -> torch.Tensor:
+        """Next-token logits `(1, V)` after feeding `feed` `(1, n)` at positions `past..past + n - 1`."""
+        prefill = self.draft_cache.get_seq_length() == 0
+        one_token = feed.shape[1] == 1 and not padded
+        forward = self._draft_step if one_token else self.assistant_model
+        start = time.perf_counter() if prefill else 0.0
+        inputs = {
+            "input_ids": feed,
+            # an all-ones mask changes nothing, and its growing length would recompile a compiled step
+            "attention_mask": mask if padded else None,
+            "position_ids": torch.arange(past, past + feed.shape[1], device=feed.device)[None],
+            "cache": self.draft_cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        capture = prefill and self._capture_prefill_queries
+        with query_capture(self.assistant_model) if capture else contextlib.nullcontext():
+            if forward is self.assistant_model or self._compile_checked:
+                logits = forward(**inputs).logits[:, -1, :]
+            else:
+                logits = self._first_compiled_step(inputs)
+        if prefill:
+            _synchronize(feed.device)
+            self.draft_prefill_seconds += time.perf_counter() - start
+        return logits.float()
+
+    def _first_compiled_step(self, inputs: dict) -> torch.Tensor:
+        """The first call of the compiled step compiles it; if compiling fails (no C++ compiler, an unsupported
+        op), warn once and keep drafting eagerly — unless the failed call already wrote to the cache."""
+        lengths = self._static_lengths()
+        try:
+            logits = self._draft_step(**inputs).logits[:, -1, :]
+        except Exception as error:  # any compiler failure; the eager step is the same computation
+            if self._static_lengths() != lengths:
+                raise
+            logger.warning_once(
+                f"compiling the draft step failed ({type(error).__name__}: {error}); drafting eagerly instead. "
+                "Pass cache_config={'compile': False} to skip the attempt."
+            )
+            self._draft_step, self._compiled = self.assistant_model, False
+            logits = self.assistant_model(**inputs).logits[:, -1, :]
+        self._compile_checked = True
+        return logits
+
+    def _static_lengths(self) -> list[int]:
+        return [
+            int(layer.length)
+            for layer in self.draft_cache.layers
+            if torch.is_tensor(getattr(layer, "length", None))
+        ]
 
     @torch.no_grad()  # like generate(): inference tensors would break a static cache's in-place bookkeeping
-    def _draft_greedily(self, generation_args: dict) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Greedy drafts with a plain forward loop instead of a nested `assistant_model.generate()` per round.
+    def _draft(self, generation_args: dict) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Draft up to `max_new_tokens` tokens with a plain forward loop (no nested `assistant_model.generate()`).
 
-        Same tokens as the nested call: the uncached tail, then one token per step, scored by the call's logits
-        processors, EOS suppressed for the first `min_new_tokens`, stopping after EOS or a draft token whose
-        probability is below `assistant_confidence_threshold`. What it saves is the per-round set-up of a
-        `generate()` call (config copies, argument validation, stopping criteria), ~1/4 of a small drafter's round.
-        One-token steps without padding run `self._draft_step` (compiled on a static cache, see `_one_token_forward`).
+        Greedy: the argmax of the processed logits. Sampling: a token drawn from the processed distribution (the
+        call's temperature / top-k / top-p processors), whose logits are returned for the acceptance test
+        (Leviathan et al., arXiv 2211.17192, Algorithm 1). EOS is suppressed for the first `min_new_tokens`; a
+        round stops after EOS or below the plan's confidence threshold. One-token steps without padding run
+        `self._draft_step` (compiled when the plan says so).
 
-        Returns `(candidate_ids (1, L + n), candidate_logits (1, n, V))`, `n <= max_new_tokens`.
+        Returns `(candidate_ids (1, L + n), candidate_logits (1, n, V))`, `1 <= n <= max_new_tokens`.
         """
         ids = generation_args[self.input_ids_key]  # (1, L)
         min_new, max_new = generation_args["min_new_tokens"], generation_args["max_new_tokens"]
         processors = generation_args["logits_processor"]
+        sample = bool(self.generation_config.do_sample)
         eos = self.generation_config.eos_token_id
         eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=ids.device)
-        threshold = self.generation_config.assistant_confidence_threshold
+        threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
-        cache = self.draft_cache
+        padded = mask is not None and not bool(mask.all())
         # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled step
         # would see as a new input layout (a recompile)
-        feed = ids[:, cache.get_seq_length() :].clone(memory_format=torch.contiguous_format)
-        padded = mask is not None and not bool(mask.all())
+        feed = ids[:, self.draft_cache.get_seq_length() :].clone(memory_format=torch.contiguous_format)
         scores = []
         for step in range(max_new):
-            past = ids.shape[1] - feed.shape[1]
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(1, ids.shape[1] - mask.shape[1])], dim=-1)
-            forward = self._draft_step if feed.shape[1] == 1 and not padded else self.assistant_model
-            logits = (
-                forward(
-                    input_ids=feed,
-                    # an all-ones mask changes nothing, and its growing length would recompile a compiled step
-                    attention_mask=mask if padded else None,
-                    position_ids=torch.arange(past, ids.shape[1], device=ids.device)[None],
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                .logits[:, -1, :]
-                .float()
-            )  # (1, V)
+            logits = self._forward(feed, ids.shape[1] - feed.shape[1], mask, padded)  # (1, V)
             # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list
             for processor in processors:
                 logits = processor(ids, logits)
             if step < min_new and eos.numel():
                 logits[:, eos] = -float("inf")
-            token = logits.argmax(-1, keepdim=True)  # (1, 1)
+            probs = logits.softmax(-1) if sample or threshold else None
+            token = torch.multinomial(probs, 1) if sample else logits.argmax(-1, keepdim=True)  # (1, 1)
             scores.append(logits)
             ids, feed = torch.cat([ids, token], dim=-1), token
-            if bool(torch.isin(token, eos).any()):
+            if eos.numel() and bool(torch.isin(token, eos).any()):
                 break
-            if threshold and logits.softmax(-1)[0, token[0, 0]] < threshold:
+            if threshold and probs[0, token[0, 0]] < threshold:
                 break
         if mask is not None:
             self.assistant_kwargs["attention_mask"] = mask

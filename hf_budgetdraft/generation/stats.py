@@ -24,6 +24,10 @@ class SpeculationStats:
     accepted_per_round: list[int] = field(default_factory=list)
     draft_seconds_per_round: list[float] = field(default_factory=list)
     verify_seconds_per_round: list[float] = field(default_factory=list)
+    # the `DraftPlan` of the most recent sparse-draft call: the resolved spec, the draft-length policy and its source
+    plan: object | None = field(default=None, compare=False)
+    # per call: the drafter's own prefill forward (sparse drafts only; 0 where the generator does not report it)
+    draft_prefill_seconds: float = 0.0
     # the candidate generator of the most recent recorded call (only the latest is kept, so a long recording
     # session does not hold every call's draft cache alive); read its cache with `draft_cache`
     candidate_generator: object | None = field(default=None, repr=False, compare=False)
@@ -54,6 +58,33 @@ class SpeculationStats:
     @property
     def verify_seconds(self) -> float:
         return sum(self.verify_seconds_per_round)
+
+    @property
+    def draft_length_policy(self) -> str | None:
+        """Which draft-length policy ran in the latest sparse-draft call (`"adaptive"`, `"heuristic"`, `"fixed"`)."""
+        generator = self.candidate_generator
+        policy = getattr(generator, "draft_length", None)
+        return getattr(policy, "name", None)
+
+    @property
+    def target_prefill_seconds(self) -> float:
+        """The first round's verification: the target's prefill of the prompt (plus that round's drafts)."""
+        return self.verify_seconds_per_round[0] if self.rounds else 0.0
+
+    @property
+    def decode_draft_seconds(self) -> float:
+        """Draft time of every round but the first (which holds the drafter's prefill)."""
+        return sum(self.draft_seconds_per_round[1:])
+
+    @property
+    def decode_verify_seconds(self) -> float:
+        """Verification time of every round but the first (which holds the target's prefill)."""
+        return sum(self.verify_seconds_per_round[1:])
+
+    @property
+    def ar_rounds(self) -> int:
+        """Rounds that drafted nothing: the target took a plain AR step."""
+        return sum(1 for p in self.proposed_per_round if p == 0)
 
     @property
     def draft_cache(self):
@@ -122,7 +153,8 @@ def instrument(generator, stats: SpeculationStats) -> None:
     """Wrap a candidate generator's `get_candidates`/`update_candidate_strategy` to time and count rounds.
 
     Draft time = inside `get_candidates`; verify time = from its return to `update_candidate_strategy`, i.e. the
-    target's forward plus the acceptance step.
+    target's forward plus the acceptance step. The first round holds both prefills: `decode_draft_seconds` /
+    `decode_verify_seconds` leave it out, `target_prefill_seconds` / `draft_prefill_seconds` report them.
     """
     stats.candidate_generator = generator
     get_candidates, update_strategy = generator.get_candidates, generator.update_candidate_strategy
@@ -142,6 +174,10 @@ def instrument(generator, stats: SpeculationStats) -> None:
 
     def timed_update_candidate_strategy(input_ids, scores, num_matches):
         _synchronize(input_ids)
+        stats.draft_prefill_seconds += getattr(generator, "draft_prefill_seconds", 0.0) - round_state.get(
+            "prefill_seen", 0.0
+        )
+        round_state["prefill_seen"] = getattr(generator, "draft_prefill_seconds", 0.0)
         stats.add_round(
             round_state["proposed"],
             int(num_matches),

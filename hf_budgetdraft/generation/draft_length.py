@@ -1,0 +1,185 @@
+"""How many tokens a speculative round drafts: fixed, transformers' heuristic, or chosen online from cost and
+acceptance.
+
+A round that drafts γ tokens emits `1 + sum_{k<=γ} prod_{j<=k} a_j` tokens in expectation, `a_j` = the probability
+that draft token j is accepted given that tokens 1..j-1 were (Leviathan et al., arXiv 2211.17192, §3.1, with
+per-position rates), and costs `c_verify(γ) + γ·c_draft` seconds. `AdaptiveDraftLength` keeps running estimates of
+all three from the call's own rounds and drafts the γ in [0, max] with the most expected tokens per second. γ = 0
+is a plain autoregressive step (the target alone), so speculation that cannot pay — a poor drafter, long context
+with low acceptance, sampling at a high temperature — falls back to AR instead of slowing the call down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class DraftLength:
+    """Base class: `next_length()` before a round, `update(...)` after it."""
+
+    name = "fixed"
+
+    def next_length(self) -> int:
+        raise NotImplementedError
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """Record a finished round: `drafted` tokens proposed, `accepted` of them kept, its two phase times."""
+
+
+@dataclass
+class FixedDraftLength(DraftLength):
+    """γ tokens every round (`num_assistant_tokens` with the constant schedule)."""
+
+    length: int
+    name = "fixed"
+
+    def next_length(self) -> int:
+        return self.length
+
+
+@dataclass
+class HeuristicDraftLength(DraftLength):
+    """transformers' `"heuristic"` schedule: +2 after a fully accepted round, -1 otherwise, in [1, maximum]."""
+
+    length: int
+    maximum: int
+    name = "heuristic"
+
+    def next_length(self) -> int:
+        return self.length
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        if drafted == 0:
+            return
+        step = 2 if accepted == drafted else -1
+        self.length = max(1, min(self.maximum, self.length + step))
+
+
+@dataclass
+class _DecayedLinearFit:
+    """Weighted least squares `y ≈ intercept + slope·x` with exponential forgetting and a ridge pull of the slope
+    towards `prior_slope · intercept` (few distinct x early in a call make the plain fit ill-posed)."""
+
+    decay: float
+    prior_slope_ratio: float
+    ridge: float = 4.0
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σw, Σwx, Σwxx, Σwy, Σwxy
+
+    def add(self, x: float, y: float) -> None:
+        self.sums = [s * self.decay for s in self.sums]
+        for i, term in enumerate((1.0, x, x * x, y, x * y)):
+            self.sums[i] += term
+
+    @property
+    def count(self) -> float:
+        return self.sums[0]
+
+    def coefficients(self) -> tuple[float, float]:
+        w, wx, wxx, wy, wxy = self.sums
+        mean_x, mean_y = wx / w, wy / w
+        sxx, sxy = wxx - w * mean_x**2, wxy - w * mean_x * mean_y
+        # the prior slope scales with the cost level, estimated as the mean (the intercept is not known yet)
+        prior = self.prior_slope_ratio * mean_y
+        slope = max(0.0, (sxy + self.ridge * prior) / (sxx + self.ridge))
+        intercept = max(1e-6, mean_y - slope * mean_x)
+        return intercept, slope
+
+
+@dataclass
+class AdaptiveDraftLength(DraftLength):
+    """Each round drafts `argmax_γ E[tokens | γ] / (c_verify(γ) + γ·c_draft)` over γ in [0, `maximum`].
+
+    Acceptance per draft position has a Beta prior (mean `prior_acceptance`, weight `prior_weight` rounds), pooled
+    towards the call's overall acceptance so positions rarely reached borrow strength; costs start from prior
+    ratios to the verification step and are replaced by this call's timings after its first round (which holds
+    both prefills and is never fitted). Estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
+    drafts one probing round (after 8, 16, 32, ... AR rounds) so a drafter that improves later (the text changes)
+    is taken back.
+
+    Args:
+        maximum (`int`): the longest round (the draft cache's rollback slack bounds it).
+        prior_acceptance (`float`): a priori acceptance of a draft token, before any round.
+        prior_draft_ratio (`float`): a priori cost of one draft step over a one-token verification.
+        prior_verify_slope (`float`): a priori cost of one more verified token over a one-token verification.
+    """
+
+    maximum: int
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0
+    prior_draft_ratio: float = 0.1
+    prior_verify_slope: float = 0.05
+    decay: float = 0.97
+    name = "adaptive"
+
+    def __post_init__(self):
+        if self.maximum < 1:
+            raise ValueError(f"maximum must be >= 1, got {self.maximum}")
+        self.accepted = [0.0] * self.maximum  # decayed counts per draft position
+        self.reached = [0.0] * self.maximum
+        self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)
+        self.draft_per_token: float | None = None
+        self.rounds = 0
+        self.ar_rounds_in_a_row = 0
+        self.probe_after = 8
+
+    # -- estimates -----------------------------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """Posterior mean acceptance per draft position, `(maximum,)`."""
+        pooled = (sum(self.accepted) + self.prior_acceptance * self.prior_weight) / (
+            sum(self.reached) + self.prior_weight
+        )
+        return [
+            (a + pooled * self.prior_weight) / (r + self.prior_weight)
+            for a, r in zip(self.accepted, self.reached, strict=True)
+        ]
+
+    def costs(self) -> tuple[float, float, float]:
+        """`(verify intercept, verify slope, draft step)` in seconds (relative units before any timing)."""
+        if self.verify.count == 0:
+            return 1.0, self.prior_verify_slope, self.prior_draft_ratio
+        intercept, slope = self.verify.coefficients()
+        draft = (
+            self.draft_per_token if self.draft_per_token is not None else self.prior_draft_ratio * intercept
+        )
+        return intercept, slope, draft
+
+    def expected_rates(self) -> list[float]:
+        """Expected tokens per second for γ = 0..maximum."""
+        intercept, slope, draft = self.costs()
+        rates, tokens, survive = [], 1.0, 1.0
+        for gamma, rate in enumerate([1.0, *self.acceptance()]):
+            if gamma:
+                survive *= rate
+                tokens += survive
+            rates.append(tokens / (intercept + slope * gamma + draft * gamma))
+        return rates
+
+    # -- policy --------------------------------------------------------------------------------------------------
+    def next_length(self) -> int:
+        rates = self.expected_rates()
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if best == 0 and self.ar_rounds_in_a_row >= self.probe_after:
+            self.probe_after = min(2 * self.probe_after, 256)
+            self.ar_rounds_in_a_row = 0
+            return max(range(1, len(rates)), key=rates.__getitem__)
+        return best
+
+    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.rounds += 1
+        self.ar_rounds_in_a_row = self.ar_rounds_in_a_row + 1 if drafted == 0 else 0
+        if drafted:
+            self.probe_after = 8 if accepted else self.probe_after
+            for k in range(self.maximum):
+                self.accepted[k] *= self.decay
+                self.reached[k] *= self.decay
+            for k in range(min(drafted, accepted + 1)):  # positions 0..accepted were reached
+                self.reached[k] += 1.0
+                self.accepted[k] += 1.0 if k < accepted else 0.0
+        if self.rounds == 1 or not (math.isfinite(verify_seconds) and verify_seconds > 0):
+            return  # the first round holds the target's and the drafter's prefills
+        self.verify.add(float(drafted), verify_seconds)
+        if drafted:
+            per_token = draft_seconds / drafted
+            previous = self.draft_per_token
+            self.draft_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token

@@ -1,0 +1,209 @@
+"""Resolve a `DraftSpec` against the models of one call (`DraftPlan`) and apply it for the call only.
+
+What the defaults turn on, and when:
+
+- **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
+  travels that way); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+- **compiled one-token draft step** (`draft_step_compile_config`, or the drafter's own
+  `generation_config.compile_config`, which also means "compile now") once it pays: a compilation costs seconds to
+  tens of seconds on CPU, a step saves a fraction of a millisecond, so `"auto"` rents before it buys (ski rental):
+  it compiles when this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager
+  static draft steps of that drafter, and reuses a step compiled earlier in the process at once;
+- **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
+  KV copies; logits agree to float rounding);
+- **draft length**: explicit settings first (`cache_config["draft_length"]`, then `num_assistant_tokens` /
+  its schedule / `assistant_confidence_threshold` passed to `generate()` when they differ from transformers'
+  defaults, then the drafter's own `generation_config`), else `"adaptive"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import re
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import CompileConfig, GenerationConfig
+
+from ..attention.fast_sdpa import NAME as FAST_SDPA
+from ..attention.varlen import NAME as VARLEN
+from .spec import AUTO, DraftSpec
+
+SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
+COMPILE_SECONDS_ESTIMATE = {
+    "cpu": 45.0,
+    "cuda": 60.0,
+}  # a cold inductor compilation of a small drafter's step
+COMPILED_STEP_SAVING = 0.5  # share of an eager static step a compiled one saves
+_eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
+    """How to compile a static draft cache's one-token step (set it as `drafter.generation_config.compile_config`).
+
+    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: CUDA graphs (`reduce-overhead`).
+    Elsewhere: inductor with its C++ wrapper, which calls the generated kernels from C++ instead of a Python
+    wrapper; for a small drafter the step is mostly that overhead. The C++ wrapper makes the first compilation
+    slower.
+    """
+    if torch.device(device).type == "cuda":
+        return CompileConfig(dynamic=False, mode="reduce-overhead")
+    return CompileConfig(dynamic=False, mode=None, options={"cpp_wrapper": True})
+
+
+@functools.cache
+def _passes_kwargs_to_cache(attention_class: type) -> bool:
+    try:
+        source = inspect.getsource(attention_class.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is not None
+
+
+def supports_static_cache(model) -> bool:
+    """Whether every attention layer of `model` hands its kwargs to `cache.update` (a static cache needs it)."""
+    classes = {
+        type(m) for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__
+    }
+    return bool(classes) and all(_passes_kwargs_to_cache(c) for c in classes)
+
+
+def record_eager_steps(drafter, seconds: float) -> None:
+    """Add eager static draft-step time spent by `drafter` in this process (the rent of the ski rental)."""
+    _eager_step_seconds[drafter] = _eager_step_seconds.get(drafter, 0.0) + seconds
+
+
+def compile_pays(drafter, compile_config: CompileConfig) -> bool:
+    """A step compiled earlier in this process is reused; otherwise compile once the eager steps spent so far
+    would have paid for the compilation."""
+    if (
+        getattr(drafter, "_compiled_call", None) is not None
+        and drafter._last_compile_config == compile_config
+    ):
+        return True
+    budget = COMPILE_SECONDS_ESTIMATE["cuda" if drafter.device.type == "cuda" else "cpu"]
+    return _eager_step_seconds.get(drafter, 0.0) * COMPILED_STEP_SAVING >= budget
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A `DraftSpec` resolved for one call: every `"auto"` decided, the draft-length source named.
+
+    Attributes:
+        spec (`DraftSpec`): the spec with `static` / `compile` resolved to bools and `draft_length` to the policy
+            that runs (`"adaptive"`, `"heuristic"` or an int).
+        draft_length_source (`str`): where the draft length came from.
+        confidence_threshold (`float`): a round's draft stops at a token the drafter gives less probability (0: off).
+        heuristic_start (`int`): the first round's length under the `"heuristic"` schedule.
+        draft_attention (`str`, *optional*): attention set on the drafter for the call (`None`: untouched).
+        target_attention (`str`, *optional*): attention set on the target for the call (`None`: untouched).
+        compile_config (`CompileConfig`, *optional*): how the one-token draft step compiles, when it does.
+    """
+
+    spec: DraftSpec
+    draft_length_source: str = "default"
+    confidence_threshold: float = 0.0
+    heuristic_start: int = 16
+    draft_attention: str | None = None
+    target_attention: str | None = None
+    compile_config: CompileConfig | None = None
+
+    @contextlib.contextmanager
+    def applied(self, target, drafter) -> Iterator[None]:
+        """Set the plan's attention implementations on the two models; restore them on exit."""
+        restore = []
+        try:
+            for model, name in ((target, self.target_attention), (drafter, self.draft_attention)):
+                if name is not None and model.config._attn_implementation != name:
+                    restore.append((model, model.config._attn_implementation))
+                    model.set_attn_implementation(name)
+            yield
+        finally:
+            for model, name in reversed(restore):
+                model.set_attn_implementation(name)
+
+
+def _explicit(config: GenerationConfig, name: str, defaults: dict):
+    value = getattr(config, name, None)
+    return None if value is None or value == defaults.get(name) else value
+
+
+def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[int | str, str, float, int]:
+    """`(draft length, its source, confidence threshold, heuristic start)`; the module docstring has the
+    precedence."""
+    defaults = GenerationConfig()._get_default_generation_params()
+    sources = (
+        ("generate()", {n: _explicit(call, n, defaults) for n in _LENGTH_FIELDS}),
+        (
+            "drafter.generation_config",
+            {n: getattr(drafter.generation_config, n, None) for n in _LENGTH_FIELDS},
+        ),
+    )
+    threshold = next(
+        (s["assistant_confidence_threshold"] for _, s in sources if s["assistant_confidence_threshold"]), 0.0
+    )
+    threshold = float(threshold or 0.0)
+    start = spec.max_draft_length
+    if explicit_spec:
+        return spec.draft_length, "cache_config", threshold, start
+    for source, values in sources:
+        tokens, schedule = values["num_assistant_tokens"], values["num_assistant_tokens_schedule"]
+        if schedule in ("heuristic", "heuristic_transient"):
+            start = min(int(tokens or defaults["num_assistant_tokens"]), spec.max_draft_length)
+            return "heuristic", source, threshold, start
+        if tokens is not None:
+            if tokens > spec.slack:
+                raise ValueError(
+                    f"num_assistant_tokens={tokens} exceeds the draft cache's rollback slack ({spec.slack}); pass "
+                    f"cache_config={{'slack': {int(tokens)}, ...}} or lower num_assistant_tokens"
+                )
+            return int(tokens), source, threshold, start
+    return spec.draft_length, "default", threshold, start
+
+
+_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def resolve_plan(
+    spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig
+) -> DraftPlan:
+    """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config."""
+    attention = drafter.config._attn_implementation
+    static = spec.static
+    if static == AUTO:
+        static = attention in SDPA_FAMILY and supports_static_cache(drafter)
+    if static and not supports_static_cache(drafter):
+        raise ValueError(
+            f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
+            f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
+        )
+    asked = (
+        drafter.generation_config.compile_config
+    )  # an explicit compile config on the drafter means "compile"
+    compile_config = asked or draft_step_compile_config(drafter.device)
+    compiled = True if spec.compile == AUTO and asked is not None else spec.compile
+    if compiled is True and not static:
+        raise ValueError(
+            "compile=True compiles the step of a static draft cache; drop compile or set static=True"
+        )
+    if call.disable_compile or not static:
+        compiled = False
+    elif compiled == AUTO:
+        compiled = compile_pays(drafter, compile_config)
+    length, source, threshold, start = _draft_length(
+        spec, "draft_length" in (cache_config or {}), call, drafter
+    )
+    fast_verify = spec.fast_verify and target.config._attn_implementation == "sdpa"
+    return DraftPlan(
+        spec=spec.replace(static=static, compile=compiled, draft_length=length),
+        draft_length_source=source,
+        confidence_threshold=threshold,
+        heuristic_start=start,
+        draft_attention=VARLEN if static else None,
+        target_attention=FAST_SDPA if fast_verify else None,
+        compile_config=compile_config if compiled else None,
+    )

@@ -1,0 +1,146 @@
+"""`DraftSpec`: how one speculative `generate()` call is set up, in one place.
+
+`generate(ids, assistant_model=drafter, cache_implementation=NAME, cache_config={...})` builds a `DraftSpec` from
+`NAME` and `cache_config`; the CLI, the bench, the app and the GPU check build theirs the same way, so every entry
+point shares one set of defaults. The defaults are the fast path: a static draft cache read by
+`budgetdraft_varlen` where the drafter's layers allow it, the target verifying on `budgetdraft_sdpa`, and a draft
+length chosen online from the call's own costs and acceptance. Every automatic choice has an off switch:
+
+    cache_config={"static": False}        # dynamic draft cache, drafter attention untouched
+    cache_config={"compile": False}       # never torch.compile the one-token draft step ("auto": when it pays)
+    cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
+    cache_config={"fast_verify": False}   # the target keeps the attention it was loaded with
+
+The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DRAFT_CACHES = ("sink_window", "budgeted")
+AUTO = "auto"
+DRAFT_LENGTH_POLICIES = ("adaptive", "heuristic")
+# the cache classes' own window defaults: sink_window keeps a long window, budgeted a short one after the prefill
+_DEFAULT_WINDOW = {"sink_window": 1024, "budgeted": 256}
+_CACHE_OPTIONS = {
+    "sink_window": ("num_sink_tokens", "window_length", "slack", "static"),
+    "budgeted": ("budget", "policy", "window_length", "slack", "policy_kwargs", "static"),
+}
+_RUN_OPTIONS = ("compile", "draft_length", "max_draft_length", "fast_verify")
+MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
+
+
+def _check_switch(name: str, value) -> None:
+    if value != AUTO and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or 'auto', got {value!r}")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How a speculative call drafts: the draft cache, how its step runs, and how many tokens a round drafts.
+
+    Args:
+        cache (`str`, defaults to `"budgeted"`): the draft's cache, `"budgeted"` (BudgetDraft, arXiv 2606.00144) or
+            `"sink_window"` (Windowed-MTP, arXiv 2607.21535).
+        budget (`int`, defaults to 512): `budgeted`: prefix tokens kept per layer and KV head.
+        policy (`str`, defaults to `"chunk"`): `budgeted`: `chunk` | `streaming` | `snapkv`.
+        policy_kwargs (`dict`, *optional*): `budgeted`: the policy's hyper-parameters.
+        num_sink_tokens (`int`, defaults to 64): `sink_window`: attention-sink tokens.
+        window_length (`int`, *optional*): recent tokens the draft reads (default 1024 for `sink_window`, 256 for
+            `budgeted`, the cache classes' own defaults).
+        slack (`int`, defaults to 32): the longest draft round the cache can roll back.
+        static (`bool` or `"auto"`): fixed slot buffers read by `budgetdraft_varlen`; `"auto"` = where the
+            drafter's attention layers hand their kwargs to the cache (most families; not GPT-NeoX, Falcon).
+        compile (`bool` or `"auto"`): `torch.compile` the static cache's one-token draft step; `"auto"` = once this
+            process has drafted enough eager steps to pay for the compilation (see `compile_policy`).
+        draft_length (`int` or `str`, defaults to `"adaptive"`): tokens drafted per round: `"adaptive"` (chosen each
+            round from the call's measured costs and acceptance, 0 = a plain AR step), `"heuristic"`
+            (transformers' schedule), or a fixed int. `num_assistant_tokens=` passed to `generate()` sets a fixed γ.
+        max_draft_length (`int`, *optional*): the most an adaptive or heuristic round drafts (<= `slack`;
+            default `min(16, slack)`).
+        fast_verify (`bool`, defaults to `True`): a target loaded with `sdpa` verifies on `budgetdraft_sdpa` for
+            the call (same results, no KV copies; restored after).
+    """
+
+    cache: str = "budgeted"
+    budget: int = 512
+    policy: str = "chunk"
+    policy_kwargs: dict | None = field(default=None, hash=False)
+    num_sink_tokens: int = 64
+    window_length: int | None = None
+    slack: int = 32
+    static: bool | str = AUTO
+    compile: bool | str = AUTO
+    draft_length: int | str = "adaptive"
+    max_draft_length: int | None = None
+    fast_verify: bool = True
+
+    def __post_init__(self):
+        if self.cache not in DRAFT_CACHES:
+            raise ValueError(f"cache must be one of {DRAFT_CACHES}, got {self.cache!r}")
+        if self.window_length is None:
+            object.__setattr__(self, "window_length", _DEFAULT_WINDOW[self.cache])
+        _check_switch("static", self.static)
+        _check_switch("compile", self.compile)
+        if not isinstance(self.fast_verify, bool):
+            raise TypeError(f"fast_verify must be a bool, got {self.fast_verify!r}")
+        length = self.draft_length
+        if isinstance(length, bool) or not (
+            length in DRAFT_LENGTH_POLICIES or (isinstance(length, int) and 0 <= length <= MAX_DRAFT_LENGTH)
+        ):
+            raise ValueError(
+                f"draft_length must be 'adaptive', 'heuristic' or an int in [0, {MAX_DRAFT_LENGTH}], got {length!r}"
+            )
+        if self.max_draft_length is None:
+            object.__setattr__(self, "max_draft_length", min(16, self.slack))
+        if not 1 <= self.max_draft_length <= self.slack:
+            raise ValueError(
+                f"max_draft_length={self.max_draft_length} must be in [1, slack={self.slack}]: a round drafts at "
+                "most what the cache can roll back; raise slack or lower max_draft_length"
+            )
+        if isinstance(length, int) and length > self.slack:
+            raise ValueError(
+                f"draft_length={length} exceeds the draft cache's rollback slack ({self.slack}); pass "
+                f"cache_config={{'slack': {length}, ...}} or a smaller draft_length"
+            )
+
+    @classmethod
+    def from_cache_config(cls, cache_implementation: str, cache_config: dict | None = None) -> DraftSpec:
+        """The spec of `generate(cache_implementation=..., cache_config=...)`; unknown keys are refused."""
+        if cache_implementation not in DRAFT_CACHES:
+            raise ValueError(
+                f"cache_implementation must be one of {DRAFT_CACHES}, got {cache_implementation!r}"
+            )
+        options = dict(cache_config or {})
+        accepted = _CACHE_OPTIONS[cache_implementation] + _RUN_OPTIONS
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"cache_config keys {unknown} are not options of cache_implementation={cache_implementation!r}; "
+                f"accepted: {list(accepted)}"
+            )
+        return cls(cache=cache_implementation, **options)
+
+    def cache_kwargs(self, static: bool) -> dict:
+        """Keyword arguments of the draft cache class (`SinkWindowCache` / `BudgetedCache`), `static` resolved."""
+        options = {name: getattr(self, name) for name in _CACHE_OPTIONS[self.cache] if name != "static"}
+        if options.get("policy_kwargs") is None:
+            options.pop("policy_kwargs", None)
+        return {**options, "static": static}
+
+    def to_cache_config(self) -> dict:
+        """The `cache_config` dict that `from_cache_config(self.cache, ...)` turns back into this spec (only the
+        fields that differ from the defaults)."""
+        default = DraftSpec(cache=self.cache)
+        names = _CACHE_OPTIONS[self.cache] + _RUN_OPTIONS
+        return {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
+
+    def replace(self, **changes) -> DraftSpec:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Prefix tokens the draft reads besides its window: the budget, or the sink."""
+        return self.budget if self.cache == "budgeted" else self.num_sink_tokens

@@ -1,0 +1,105 @@
+"""The draft-length policies against fake cost / acceptance streams (no models, no timing)."""
+
+import random
+
+import pytest
+
+from hf_budgetdraft.generation.draft_length import (
+    AdaptiveDraftLength,
+    FixedDraftLength,
+    HeuristicDraftLength,
+)
+
+
+def simulate(
+    policy, acceptance: float, verify_base: float, verify_slope: float, draft_step: float, rounds: int
+):
+    """Feed `policy` rounds of an i.i.d. drafter (each draft token accepted with `acceptance`) whose phases cost
+    exactly the given seconds; return the lengths it chose."""
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(rounds):
+        gamma = policy.next_length()
+        chosen.append(gamma)
+        accepted = 0
+        while accepted < gamma and rng.random() < acceptance:
+            accepted += 1
+        policy.update(gamma, accepted, draft_step * gamma, verify_base + verify_slope * gamma)
+    return chosen
+
+
+def rate(gamma: int, acceptance: float, verify_base: float, verify_slope: float, draft_step: float) -> float:
+    """Expected tokens per second of drafting `gamma` tokens a round."""
+    tokens = sum(acceptance**k for k in range(gamma + 1))
+    return tokens / (verify_base + verify_slope * gamma + draft_step * gamma)
+
+
+def best_length(acceptance: float, verify_base: float, verify_slope: float, draft_step: float, maximum: int):
+    return max(range(maximum + 1), key=lambda g: rate(g, acceptance, verify_base, verify_slope, draft_step))
+
+
+@pytest.mark.parametrize(
+    "acceptance,draft_step",
+    [(0.9, 0.05), (0.7, 0.1), (0.5, 0.05), (0.8, 0.2)],
+)
+def test_adaptive_settles_on_the_optimum_when_drafting_pays(acceptance, draft_step):
+    policy = AdaptiveDraftLength(maximum=16)
+    chosen = simulate(policy, acceptance, 1.0, 0.05, draft_step, rounds=400)
+    optimum = best_length(acceptance, 1.0, 0.05, draft_step, 16)
+    assert optimum > 0
+    best = rate(optimum, acceptance, 1.0, 0.05, draft_step)
+    late = [rate(g, acceptance, 1.0, 0.05, draft_step) / best for g in chosen[-100:]]
+    # the estimates are noisy and the curve is flat near its top: the choices reach >= 97% of the best rate
+    assert sum(late) / len(late) >= 0.97, (optimum, chosen[-100:])
+    assert rate(chosen[-1], acceptance, 1.0, 0.05, draft_step) > rate(0, acceptance, 1.0, 0.05, draft_step)
+
+
+@pytest.mark.parametrize("acceptance,draft_step", [(0.0, 0.1), (0.2, 0.5), (0.5, 2.0)])
+def test_adaptive_falls_back_to_plain_ar_when_drafting_cannot_pay(acceptance, draft_step):
+    assert best_length(acceptance, 1.0, 0.05, draft_step, 16) == 0
+    policy = AdaptiveDraftLength(maximum=16)
+    chosen = simulate(policy, acceptance, 1.0, 0.05, draft_step, rounds=300)
+    late = chosen[-200:]
+    assert late.count(0) >= 180  # AR steps, with a few probing rounds in between
+    assert any(g > 0 for g in late[1:])  # it keeps probing, so a drafter that improves is taken back
+
+
+def test_adaptive_takes_the_drafter_back_when_it_improves():
+    policy = AdaptiveDraftLength(maximum=16)
+    simulate(policy, 0.0, 1.0, 0.05, 0.1, rounds=100)
+    assert policy.next_length() == 0 or policy.ar_rounds_in_a_row == 0
+    chosen = simulate(policy, 0.95, 1.0, 0.05, 0.1, rounds=300)
+    assert chosen[-1] >= 8
+
+
+def test_adaptive_never_drafts_beyond_its_maximum_and_ignores_the_prefill_round():
+    policy = AdaptiveDraftLength(maximum=4)
+    policy.update(4, 4, 100.0, 1000.0)  # round 1: both prefills, huge times; must not be fitted
+    assert policy.verify.count == 0 and policy.draft_per_token is None
+    chosen = simulate(policy, 1.0, 1.0, 0.0, 0.01, rounds=50)
+    assert max(chosen) == 4 and chosen[-1] == 4
+
+
+def test_expected_rates_match_the_closed_form():
+    policy = AdaptiveDraftLength(maximum=3, prior_weight=1e-9)
+    for _ in range(200):  # every position accepted half the time, exactly
+        policy.update(3, 3, 0.3, 1.0)
+        policy.update(3, 0, 0.3, 1.0)
+        policy.update(3, 1, 0.3, 1.0)
+    acceptance = policy.acceptance()
+    assert acceptance[0] == pytest.approx(2 / 3, abs=0.02)  # 2 of 3 rounds accept position 1
+    assert acceptance[1] == pytest.approx(1 / 2, abs=0.02)  # of the 2 that reach position 2, one accepts it
+
+
+def test_fixed_and_heuristic_schedules():
+    assert simulate(FixedDraftLength(5), 0.5, 1, 0, 0.1, 20) == [5] * 20
+    heuristic = HeuristicDraftLength(length=4, maximum=8)
+    heuristic.update(4, 4, 0.1, 1.0)
+    assert heuristic.next_length() == 6
+    heuristic.update(6, 2, 0.1, 1.0)
+    assert heuristic.next_length() == 5
+    for _ in range(10):
+        heuristic.update(5, 5, 0.1, 1.0)
+    assert heuristic.next_length() == 8
+    with pytest.raises(ValueError, match="maximum"):
+        AdaptiveDraftLength(maximum=0)

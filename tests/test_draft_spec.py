@@ -1,0 +1,176 @@
+"""`DraftSpec` / `DraftPlan`: the defaults resolved once and visible, every off switch honoured, and the one-liner
+(`cache_implementation=` and nothing else) lossless on every test family with all its defaults on."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, model_pair, random_prompt, supports
+from transformers import GenerationConfig
+
+from hf_budgetdraft import DraftSpec, record_speculation
+from hf_budgetdraft.generation import fast_path
+from hf_budgetdraft.generation.fast_path import resolve_plan
+
+NEW_TOKENS = 24
+
+
+def plan_for(target, drafter, name="budgeted", cache_config=None, **call):
+    config = GenerationConfig(**call)
+    config.update(**config._get_default_generation_params(), defaults_only=True)  # as generate() fills it
+    return resolve_plan(
+        DraftSpec.from_cache_config(name, cache_config), cache_config, target, drafter, config
+    )
+
+
+def test_spec_defaults_are_visible_and_round_trip():
+    spec = DraftSpec()
+    text = repr(spec)
+    for part in ("cache='budgeted'", "budget=512", "policy='chunk'", "static='auto'", "compile='auto'"):
+        assert part in text
+    assert "draft_length='adaptive'" in text and "max_draft_length=16" in text and "window_length=256" in text
+    assert DraftSpec(cache="sink_window").window_length == 1024
+    custom = DraftSpec.from_cache_config("budgeted", {"budget": 64, "draft_length": 4, "static": False})
+    assert custom.to_cache_config() == {"budget": 64, "static": False, "draft_length": 4}
+    assert DraftSpec.from_cache_config("budgeted", custom.to_cache_config()) == custom
+    assert custom.cache_kwargs(static=False) == {
+        "budget": 64,
+        "policy": "chunk",
+        "window_length": 256,
+        "slack": 32,
+        "static": False,
+    }
+
+
+@pytest.mark.parametrize(
+    "config,error,message",
+    [
+        ({"budgett": 3}, ValueError, r"cache_config keys \['budgett'\] are not options"),
+        ({"num_sink_tokens": 3}, ValueError, "not options of cache_implementation='budgeted'"),
+        ({"static": "yes"}, TypeError, "static must be True, False or 'auto'"),
+        ({"compile": 1}, TypeError, "compile must be True, False or 'auto'"),
+        ({"draft_length": "fast"}, ValueError, "draft_length must be 'adaptive', 'heuristic' or an int"),
+        ({"draft_length": 40}, ValueError, "exceeds the draft cache's rollback slack"),
+        ({"max_draft_length": 40}, ValueError, r"max_draft_length=40 must be in \[1, slack=32\]"),
+        ({"fast_verify": "no"}, TypeError, "fast_verify must be a bool"),
+    ],
+)
+def test_spec_errors_teach(config, error, message):
+    with pytest.raises(error, match=message):
+        DraftSpec.from_cache_config("budgeted", config)
+
+
+def test_plan_resolves_the_fast_path_by_default():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    plan = plan_for(target, drafter)
+    assert plan.spec.static is True and plan.draft_attention == "budgetdraft_varlen"
+    assert plan.target_attention == "budgetdraft_sdpa"
+    assert plan.spec.compile is False  # a fresh process has not paid for a compilation yet
+    assert plan.spec.draft_length == "adaptive" and plan.draft_length_source == "default"
+    assert "static=True" in repr(plan) and "draft_length='adaptive'" in repr(plan)
+
+
+@pytest.mark.parametrize(
+    "cache_config,check",
+    [
+        ({"static": False}, lambda p: p.spec.static is False and p.draft_attention is None),
+        ({"fast_verify": False}, lambda p: p.target_attention is None),
+        ({"compile": False}, lambda p: p.spec.compile is False),
+        ({"draft_length": 5}, lambda p: p.spec.draft_length == 5 and p.draft_length_source == "cache_config"),
+        ({"draft_length": "heuristic"}, lambda p: p.spec.draft_length == "heuristic"),
+        ({"draft_length": 0}, lambda p: p.spec.draft_length == 0),
+    ],
+)
+def test_each_off_switch_is_honoured(cache_config, check):
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    assert check(plan_for(target, drafter, cache_config=cache_config))
+
+
+def test_draft_length_settings_of_generate_and_of_the_drafter_take_effect():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    plan = plan_for(target, drafter, num_assistant_tokens=6)
+    assert plan.spec.draft_length == 6 and plan.draft_length_source == "generate()"
+    plan = plan_for(target, drafter, num_assistant_tokens=6, num_assistant_tokens_schedule="heuristic")
+    assert plan.spec.draft_length == "heuristic" and plan.heuristic_start == 6
+    plan = plan_for(target, drafter, assistant_confidence_threshold=0.3)
+    assert plan.confidence_threshold == pytest.approx(0.3)
+    drafter.generation_config.num_assistant_tokens = 3
+    plan = plan_for(target, drafter)
+    assert plan.spec.draft_length == 3 and plan.draft_length_source == "drafter.generation_config"
+    plan = plan_for(target, drafter, cache_config={"draft_length": "adaptive"})
+    assert plan.spec.draft_length == "adaptive"  # cache_config wins over both
+    with pytest.raises(ValueError, match="num_assistant_tokens=40 exceeds the draft cache's rollback slack"):
+        plan_for(target, drafter, num_assistant_tokens=40)
+
+
+def test_generate_num_assistant_tokens_changes_the_rounds():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    ids = random_prompt(120)
+    for gamma in (1, 5):
+        with record_speculation() as stats:
+            target.generate(
+                ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, cache_implementation="budgeted",
+                cache_config={"budget": 32}, num_assistant_tokens=gamma, do_sample=False,
+            )  # fmt: skip
+        assert max(stats.proposed_per_round) == gamma and stats.draft_length_policy == "fixed"
+
+
+def test_families_without_kwargs_to_the_cache_stay_dynamic():
+    target, drafter = model_pair("gpt_neox", "sdpa", num_assistant_tokens=None)
+    assert plan_for(target, drafter).spec.static is False
+    with pytest.raises(ValueError, match="static=True needs a drafter whose attention passes its kwargs"):
+        plan_for(target, drafter, cache_config={"static": True})
+    target, drafter = model_pair("llama", "eager", num_assistant_tokens=None)
+    assert plan_for(target, drafter).spec.static is False  # eager drafters keep their attention
+    assert plan_for(target, drafter).target_attention is None  # and so do eager targets
+
+
+def test_compile_is_rented_before_it_is_bought(monkeypatch):
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    monkeypatch.setitem(fast_path.COMPILE_SECONDS_ESTIMATE, "cpu", 1.0)
+    assert plan_for(target, drafter).spec.compile is False
+    fast_path.record_eager_steps(drafter, 1.5)  # saves 0.75 s of a 1 s compilation: not yet
+    assert plan_for(target, drafter).spec.compile is False
+    fast_path.record_eager_steps(drafter, 0.6)
+    assert plan_for(target, drafter).spec.compile is True
+    assert plan_for(target, drafter, cache_config={"compile": False}).spec.compile is False
+    assert plan_for(target, drafter, disable_compile=True).spec.compile is False
+
+
+def test_a_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    ids = random_prompt(120)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+
+    def unavailable(self, compile_config):
+        def step(**kwargs):
+            raise RuntimeError("no C++ compiler")
+
+        return step
+
+    monkeypatch.setattr(type(drafter), "get_compiled_call", unavailable)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS,
+            cache_implementation="budgeted", cache_config={"budget": 32, "compile": True},
+        )  # fmt: skip
+    assert torch.equal(out, expected)
+    assert stats.plan.spec.compile is True and stats.candidate_generator._compiled is False
+
+
+@pytest.mark.parametrize("name,cache_config", [("sink_window", {}), ("budgeted", {})])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_liner_with_every_default_is_lossless(family, name, cache_config):
+    """`generate(ids, assistant_model=drafter, cache_implementation=name)` and nothing else: static where allowed,
+    fast verification, adaptive draft length; the drafter's and target's attention restored after the call."""
+    attention = "sdpa" if supports(family, "sdpa") else "eager"
+    target, drafter = model_pair(family, attention, num_assistant_tokens=None)
+    ids = random_prompt(2200 if name == "sink_window" else 700)  # longer than the window / budget + window
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids, assistant_model=drafter, max_new_tokens=NEW_TOKENS, cache_implementation=name
+        )
+    assert torch.equal(out, expected), f"first diff at {(out != expected).nonzero()[:1].tolist()}"
+    assert stats.draft_length_policy == "adaptive"
+    assert stats.plan.spec.static is (attention == "sdpa" and family != "gpt_neox")
+    assert sum(stats.proposed_per_round) > 0
+    assert (target.config._attn_implementation, drafter.config._attn_implementation) == (attention, attention)
