@@ -194,3 +194,30 @@ def test_policy_errors():
         SnapKVPolicy(window_size=4).select(_keys(100), 20)
     with pytest.raises(TypeError, match="budget must be an int"):
         ChunkPolicy().select(_keys(100), 20.0)
+
+
+@pytest.mark.parametrize(
+    "length,budget,kept",
+    [
+        (96, 40, 40),  # whole chunks only, budget a multiple of chunk_size
+        (96, 37, 32),  # budget not a multiple: rounded down to whole chunks
+        (103, 40, 39),  # 7-token tail + 4 whole chunks; an eighth of a chunk short of the budget
+        (100, 40, 36),  # 4-token tail + 4 whole chunks
+        (101, 37, 37),  # 5-token tail + 4 whole chunks fill the budget exactly
+        (30, 64, 30),  # shorter than the budget: everything
+    ],
+)
+def test_chunk_keeps_whole_chunks_plus_the_tail(length, budget, kept):
+    keys, queries = _random(1, 2, length), _random(1, 4, length, seed=1)
+    for proxy in ("last_key", "last_query"):
+        got = ChunkPolicy(chunk_size=8, query_proxy=proxy).select(keys, budget, queries)
+        assert got.shape == (1, 2, kept)
+        assert (got[..., 1:] > got[..., :-1]).all()  # distinct and ascending
+
+
+@pytest.mark.parametrize("length,budget", [(103, 40), (100, 37), (30, 64)])
+def test_streaming_and_snapkv_fill_the_budget(length, budget):
+    keys, queries = _random(1, 2, length), _random(1, 4, length, seed=1)
+    kept = min(budget, length)
+    assert StreamingPolicy(num_sink_tokens=4).select(keys, budget).shape == (1, 2, kept)
+    assert SnapKVPolicy(window_size=8, kernel_size=5).select(keys, budget, queries).shape == (1, 2, kept)
