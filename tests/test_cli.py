@@ -8,12 +8,28 @@ import torch
 from hf_budgetdraft.cli import main
 
 
+def _field(pattern: str, out: str) -> float:
+    match = re.search(pattern, out)
+    assert match, f"{pattern!r} not in the output:\n{out}"
+    return float(match.group(1))
+
+
 def assert_generate_is_lossless(capsys, *args: str) -> None:
-    """`hf-budgetdraft generate *args` exits 0 and reports output identical to the target's own greedy output."""
+    """`hf-budgetdraft generate *args` exits 0, reports output identical to the target's own greedy output, and
+    prints the prompt/new-token counts and the speculation statistics with values in their possible ranges."""
     code = main(["generate", *args, "--threads", "1"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in out
+    assert _field(r"greedy diff vs the target's own greedy output: (\d+) tokens \(identical\)", out) == 0
+    flags = {flag: value for flag, value in zip(args, args[1:], strict=False) if flag.startswith("--")}
+    assert _field(r"prompt tokens: (\d+)", out) == int(flags["--context_length"])
+    assert _field(r"new tokens: (\d+)", out) == int(flags["--max_new_tokens"])
+    gamma = int(flags.get("--gamma", 5))
+    rounds = _field(r"rounds (\d+),", out)
+    assert 1 <= rounds <= int(flags["--max_new_tokens"])
+    # every round yields the accepted drafts plus the target's own token: between 1 and gamma + 1
+    assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= gamma + 1
+    assert 0 <= _field(r"acceptance rate (\d+\.\d)%", out) <= 100
 
 
 @pytest.mark.parametrize("cache", ["sink_window", "budgeted", "full"])

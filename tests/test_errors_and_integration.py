@@ -147,17 +147,25 @@ def test_stats_fields():
 
 
 def test_target_alone_on_a_sparse_cache_is_lossy_but_bounded():
+    """Without a drafter the sparse cache is the target's own cache: its memory does not grow with the prompt,
+    and once the prompt is past the window the target forgets context, so its greedy output changes."""
     target, _ = model_pair("llama")
-    out = target.generate(
-        random_prompt(200),
-        do_sample=False,
-        max_new_tokens=8,
-        cache_implementation="sink_window",
-        cache_config={"num_sink_tokens": 4, "window_length": 16},
-        return_dict_in_generate=True,
+    window = 16
+    sparse = dict(
+        cache_implementation="sink_window", cache_config={"num_sink_tokens": 4, "window_length": window}
     )
-    assert out.sequences.shape[1] == 208
-    assert isinstance(out.cache, SinkWindowCache)
+    sizes = []
+    for length in (window, 4 * window):
+        ids = random_prompt(length)
+        out = target.generate(ids, do_sample=False, max_new_tokens=8, return_dict_in_generate=True, **sparse)
+        assert out.sequences.shape[1] == length + 8
+        assert isinstance(out.cache, SinkWindowCache)
+        sizes.append(cache_nbytes(out.cache))
+    assert sizes[0] == sizes[1] == out.cache.nbytes() > 0
+    full = target.generate(ids, do_sample=False, max_new_tokens=8, return_dict_in_generate=True)
+    assert cache_nbytes(full.cache) > sizes[1]
+    # the tiny random model's next token depends on tokens the window has dropped
+    assert not torch.equal(out.sequences, full.sequences)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,10 @@
-"""`scripts/gpu_check.py --cpu-smoke`: the GPU check's logic at tiny sizes on CPU, in well under 30 s.
+"""`scripts/gpu_check.py --cpu-smoke`: the GPU check's logic at tiny sizes on CPU.
 
 The GPU run itself cannot happen here; this proves the script runs end to end, writes the JSON the GPU run will
 write, and that its checks can fail (a failing section is recorded and turns the exit code to 1)."""
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -33,16 +32,13 @@ def fresh_dynamo():
 
 
 def test_cpu_smoke_runs_every_section_and_passes(gpu_check, tmp_path, fresh_dynamo):
-    began = time.perf_counter()
     code = gpu_check.main(["--out", str(tmp_path), "--cpu-smoke"])
-    seconds = time.perf_counter() - began
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     failed = {name: check for name, check in report["checks"].items() if not check["passed"]}
     assert code == 0 and report["all_passed"] and not failed and not report["errors"], (
         failed,
         report["errors"],
     )
-    assert seconds < 30, f"the CPU smoke run took {seconds:.1f} s"
     assert report["mode"] == "cpu-smoke" and report["environment"]["varlen_backends"]["sdpa_packed"]
 
     # 1. kernels: the packed SDPA kernel in fp32 and bf16, both key-set layouts, forward and backward

@@ -49,7 +49,10 @@ class KeepPolicy(ABC):
                 prefix queries, already multiplied by the attention scaling. Only for `needs_queries` policies.
 
         Returns:
-            `torch.LongTensor` of shape `(B, H_kv, min(budget, L))`: ascending positions, the same count per head.
+            `torch.LongTensor` of shape `(B, H_kv, n)`: ascending positions, the same count `n` per head. `n` is
+            `L` when `L <= budget`; otherwise `n <= budget` and each policy's `_select` says exactly how many it
+            keeps (StreamingLLM and SnapKV fill the budget; chunk retrieval keeps whole chunks plus the trailing
+            partial one, so it can keep fewer). Callers size their buffers from `n`, not from `budget`.
         """
         self.validate_budget(budget)
         length = keys.shape[-2]
@@ -66,7 +69,7 @@ class KeepPolicy(ABC):
 
     @abstractmethod
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
-        """`select` for a prefix longer than the budget."""
+        """`select` for a prefix longer than the budget; returns at most `budget` positions per head."""
 
 
 def _all_positions(keys: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ BudgetDraft, arXiv 2606.00144, §3.1; TriForce, arXiv 2404.11912. The prefix is 
 is the last prefix token's key (the authors' choice) or its query; chunk 0 (the sink) is always kept, and the
 top-scoring chunks fill the budget. The trailing partial chunk, if the prefix length is not a multiple of
 `chunk_size`, is always kept (it is the most recent context) so every head keeps the same number of tokens.
+
+For a prefix of `L > budget` tokens the policy keeps `tail + chunk_size * ((budget - tail) // chunk_size)`
+positions, `tail = L % chunk_size`: exactly `budget` only when `budget - tail` is a multiple of `chunk_size`,
+otherwise up to `chunk_size - 1` fewer, because only whole chunks are retrieved.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class ChunkPolicy(KeepPolicy):
         return 2 * self.chunk_size - 1
 
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
+        """Chunk 0, the best-scoring whole chunks and the trailing partial chunk: `tail + chunk_size *
+        ((budget - tail) // chunk_size)` positions per head, `tail = L % chunk_size` (at most `budget`)."""
         batch, heads, length, dim = keys.shape
         size = self.chunk_size
         num_chunks = length // size

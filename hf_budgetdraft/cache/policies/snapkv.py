@@ -3,7 +3,8 @@
 Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
 Scores are the softmax attention of the last `window_size` prefill queries (causal inside the window),
 summed over the window, averaged over the query heads sharing a KV head (GQA), and max-pooled over
-`kernel_size` neighbours; the window itself is always kept.
+`kernel_size` neighbours; the window itself is always kept. A prefix longer than the budget keeps exactly
+`budget` positions per head: the window plus the `budget - window_size` best-scoring earlier ones.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class SnapKVPolicy(KeepPolicy):
         return self.window_size + 1
 
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
+        """The `budget - window_size` best-scoring positions before the window, then the window: `budget`."""
         batch, heads, length, _ = keys.shape
         window = self.window_size
         grouped = group_queries(queries[:, :, -window:], heads).float()  # (B, H, g, w, D)

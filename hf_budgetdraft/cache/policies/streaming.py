@@ -1,6 +1,8 @@
 """StreamingLLM: keep an attention sink plus the most recent prefix tokens.
 
 Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
+A prefix longer than the budget keeps exactly `budget` positions: the sink and the `budget - num_sink_tokens`
+most recent tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class StreamingPolicy(KeepPolicy):
         return self.num_sink_tokens + 1
 
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
+        """The first `num_sink_tokens` positions and the most recent ones, `budget` in all."""
         batch, heads, length = keys.shape[:3]
         recent = budget - self.num_sink_tokens
         positions = torch.cat([torch.arange(self.num_sink_tokens), torch.arange(length - recent, length)]).to(
