@@ -14,11 +14,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from .app import AppArguments, demo_command
-from .attention.varlen import NAME as VARLEN_NAME
 from .cache.base import MAX_CACHE_TOKENS
 from .demo.documents import DEMO_TEXT
 from .eval.bench import BenchArguments, bench_command
 from .eval.runners import run_ar, run_assisted
+from .generation.spec import DraftSpec
 from .random_models import random_pair
 from .trainer.config import BudgetDraftConfig
 
@@ -50,41 +50,54 @@ class GenerateArguments:
         default=4096, metadata={"help": "Prompt tokens (random prompt, or truncate to)."}
     )
     cache: str = field(
-        default="sink_window", metadata={"help": "Draft cache: sink_window | budgeted | full."}
-    )
-    num_sink_tokens: int = field(default=64, metadata={"help": "sink_window: attention-sink tokens."})
-    window_length: int = field(default=1024, metadata={"help": "sink_window: recent-window tokens."})
-    budgeted_window_length: int = field(
-        default=256,
-        metadata={"help": "budgeted: recent tokens kept besides the budget (the bench's demo/full default)."},
-    )
-    budget: int = field(default=512, metadata={"help": "budgeted: prefix tokens kept per layer and KV head."})
-    policy: str = field(default="chunk", metadata={"help": "budgeted: chunk | streaming | snapkv."})
-    gamma: int = field(default=5, metadata={"help": "Draft tokens per round (num_assistant_tokens)."})
-    assistant_confidence_threshold: float = field(
-        default=0.0,
+        default="budgeted",
         metadata={
-            "help": "End a round's draft at the first token the drafter gives less than this probability (γ is "
-            "then the most a round drafts); 0: always γ tokens."
+            "help": "Draft cache: budgeted (the default) | sink_window | full (stock assisted generation)."
         },
     )
-    compiled_draft: bool = field(
-        default=False,
+    budget: int | None = field(
+        default=None, metadata={"help": "budgeted: prefix tokens kept per KV head (512)."}
+    )
+    policy: str | None = field(
+        default=None, metadata={"help": "budgeted: chunk (default) | streaming | snapkv."}
+    )
+    num_sink_tokens: int | None = field(default=None, metadata={"help": "sink_window: sink tokens (64)."})
+    window_length: int | None = field(
+        default=None, metadata={"help": "Recent tokens the draft reads (sink_window 1024, budgeted 256)."}
+    )
+    draft_length: str = field(
+        default="adaptive",
         metadata={
-            "help": "sink_window/budgeted: a static draft cache with the drafter's one-token step torch.compile'd; "
-            "one untimed warm-up run compiles it first (tens of seconds on CPU)."
+            "help": "Tokens drafted a round: adaptive (default: chosen online, 0 = AR) | heuristic | an int."
         },
     )
+    static: str = field(default="auto", metadata={"help": "Static draft cache: auto | true | false."})
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "Compile the one-token draft step: auto (when it pays) | true (one untimed warm-up run compiles "
+            "it first: tens of seconds on CPU) | false."
+        },
+    )
+    fast_verify: bool = field(
+        default=True,
+        metadata={"help": "Verify on budgetdraft_sdpa when the target runs sdpa (same results)."},
+    )
+    assistant_confidence_threshold: float | None = field(
+        default=None,
+        metadata={"help": "End a round's draft at a token the drafter gives less than this probability."},
+    )
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy decoding."})
+    temperature: float = field(default=1.0, metadata={"help": "With --do_sample: the temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "With --do_sample: nucleus sampling's p."})
+    top_k: int = field(default=50, metadata={"help": "With --do_sample: top-k (0: off)."})
     target_attn_implementation: Literal["sdpa", "eager", "budgetdraft_sdpa"] = field(
-        default="budgetdraft_sdpa",
-        metadata={
-            "help": "Target attention for AR and speculative runs alike: budgetdraft_sdpa (default: same results as "
-            "sdpa, cheap verification on CPU) or stock sdpa/eager."
-        },
+        default="sdpa",
+        metadata={"help": "The attention the target is loaded with (the reference AR runs on it)."},
     )
     max_new_tokens: int = field(default=64, metadata={"help": "Tokens to generate."})
     threads: int = field(default=2, metadata={"help": "torch threads (set explicitly; see README)."})
-    seed: int = field(default=0, metadata={"help": "Seed for random models and prompts."})
+    seed: int = field(default=0, metadata={"help": "Seed for random models, prompts and sampling."})
 
     def __post_init__(self):
         if self.cache not in ("sink_window", "budgeted", "full"):
@@ -95,19 +108,47 @@ class GenerateArguments:
             )
         if not 1 <= self.max_new_tokens <= 4096:
             raise ValueError(f"--max_new_tokens must be in [1, 4096], got {self.max_new_tokens}")
-        if not 1 <= self.gamma <= 64:
-            raise ValueError(f"--gamma must be in [1, 64], got {self.gamma}")
-        if not 0.0 <= self.assistant_confidence_threshold < 1.0:
+        threshold = self.assistant_confidence_threshold
+        if threshold is not None and not 0.0 <= threshold < 1.0:
+            raise ValueError(f"--assistant_confidence_threshold must be in [0, 1), got {threshold}")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0):
             raise ValueError(
-                f"--assistant_confidence_threshold must be in [0, 1), got {self.assistant_confidence_threshold}"
-            )
-        if self.compiled_draft and self.cache == "full":
-            raise ValueError(
-                "--compiled_draft compiles the step of a static sparse draft cache; use --cache sink_window or "
-                "budgeted, or drop --compiled_draft"
+                f"--temperature must be > 0, --top_p in (0, 1], --top_k >= 0; got {self.temperature}, "
+                f"{self.top_p}, {self.top_k}"
             )
         if self.random_models + self.demo_models + bool(self.target and self.drafter) != 1:
             raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
+        if self.cache != "full":
+            self.draft_spec()  # validate the draft options now, with the spec's own messages
+
+    def draft_spec(self) -> DraftSpec:
+        """The `DraftSpec` the flags describe (unset flags keep the spec's defaults)."""
+        switches = {"auto": "auto", "true": True, "false": False}
+        for name in ("static", "compile"):
+            if getattr(self, name) not in switches:
+                raise ValueError(f"--{name} must be auto, true or false, got {getattr(self, name)!r}")
+        length = self.draft_length
+        length = int(length) if length.isdigit() else length
+        given = {
+            "budget": self.budget,
+            "policy": self.policy,
+            "num_sink_tokens": self.num_sink_tokens,
+            "window_length": self.window_length,
+        }
+        options = {k: v for k, v in given.items() if v is not None}
+        return DraftSpec(
+            cache=self.cache,
+            static=switches[self.static],
+            compile=switches[self.compile],
+            draft_length=length,
+            fast_verify=self.fast_verify,
+            **options,
+        )
+
+    def sampling(self) -> dict | None:
+        if not self.do_sample:
+            return None
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 
 def _load_pair(args: GenerateArguments):
@@ -147,58 +188,63 @@ def generate_command(args: GenerateArguments) -> int:
         target, drafter, tokenizer = _load_pair(args)
     target.set_attn_implementation(args.target_attn_implementation)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
-    cache_config = None
-    if args.cache == "sink_window":
-        cache_config = {"num_sink_tokens": args.num_sink_tokens, "window_length": args.window_length}
-    elif args.cache == "budgeted":
-        cache_config = {
-            "budget": args.budget,
-            "policy": args.policy,
-            "window_length": args.budgeted_window_length,
+    sampling = args.sampling()
+    draft = {"gamma": 5, "sampling": sampling}  # --cache full: stock assisted generation
+    if args.cache != "full":
+        spec = args.draft_spec()
+        draft = {
+            "gamma": None,  # the spec's draft length (or the drafter's own generation config)
+            "cache_implementation": spec.cache,
+            "cache_config": spec.to_cache_config(),
+            "sampling": sampling,
         }
-    if args.compiled_draft:  # validated: a sparse cache
-        cache_config["static"] = True
-        drafter.set_attn_implementation(VARLEN_NAME)  # what hides a static cache's empty slots
-    cache = None if args.cache == "full" else args.cache
-    draft = dict(
-        gamma=args.gamma,
-        cache_implementation=cache,
-        cache_config=cache_config,
-        compiled=args.compiled_draft,
-        confidence_threshold=args.assistant_confidence_threshold,
-    )
-    if args.compiled_draft:
-        print("compiling the draft step (one untimed warm-up run)", flush=True)
-        run_assisted(target, drafter, ids, min(args.max_new_tokens, 2 * args.gamma), **draft)
-    # the benchmark's runners: greedy, exactly max_new_tokens, decode time read off a streamer
-    ar = run_ar(target, ids, args.max_new_tokens)
-    spec = run_assisted(target, drafter, ids, args.max_new_tokens, **draft)
+        if spec.compile is True:
+            print("compiling the draft step (one untimed warm-up run)", flush=True)
+            run_assisted(target, drafter, ids, min(args.max_new_tokens, 16), **draft)
+    runs = _generate_runs(args, target, drafter, ids, draft)
+    return _report_generate(args, tokenizer, ids.shape[1], *runs)
 
+
+def _generate_runs(args: GenerateArguments, target, drafter, ids: torch.LongTensor, draft: dict):
+    """`(stock AR, fast AR, speculative)` runs of the same prompt; sampled runs are seeded alike."""
+    runs = []
+    for setup in (None, "fast", "speculative"):
+        torch.manual_seed(args.seed)
+        if setup == "speculative":
+            runs.append(run_assisted(target, drafter, ids, args.max_new_tokens, **draft))
+        else:
+            runs.append(run_ar(target, ids, args.max_new_tokens, setup, draft["sampling"]))
+    return runs
+
+
+def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar, fast_ar, spec) -> int:
     new, stats = spec.new_ids, spec.stats
-    diff = int((new != ar.new_ids).sum())
-    print(
-        f"prompt tokens: {ids.shape[1]}  new tokens: {new.numel()}  draft cache: {args.cache}"
-        f"{' (static, compiled step)' if args.compiled_draft else ''}"
-    )
+    plan = stats.plan
+    print(f"prompt tokens: {prompt_length}  new tokens: {new.numel()}  draft cache: {args.cache}")
+    if plan is not None:
+        print(f"draft plan: {plan.spec} (draft length from {plan.draft_length_source})")
     print(tokenizer.decode(new) if tokenizer is not None else f"token ids: {new.tolist()}")
+    diff = int((new != ar.new_ids).sum())
+    if args.do_sample:
+        print("sampling: the output keeps the target's distribution (speculative sampling); no greedy diff")
+    else:
+        verdict = "identical" if diff == 0 else "DIFFERENT"
+        print(f"greedy diff vs the target's own greedy output: {diff} tokens ({verdict})")
     print(
-        f"greedy diff vs the target's own greedy output: {diff} tokens ({'identical' if diff == 0 else 'DIFFERENT'})"
+        f"rounds {stats.rounds} ({stats.ar_rounds} plain AR steps), mean accepted length "
+        f"{stats.mean_accepted_length:.2f}, acceptance rate {stats.acceptance_rate:.1%}, draft "
+        f"{stats.decode_draft_seconds:.2f} s + prefill {stats.draft_prefill_seconds:.2f} s, verify "
+        f"{stats.decode_verify_seconds:.2f} s + target prefill {stats.target_prefill_seconds:.2f} s"
     )
-    print(
-        f"rounds {stats.rounds}, mean accepted length {stats.mean_accepted_length:.2f}, acceptance rate "
-        f"{stats.acceptance_rate:.1%}, draft {stats.draft_seconds:.2f} s, verify {stats.verify_seconds:.2f} s"
-    )
-    decode = ar.decode_tokens_per_second, spec.decode_tokens_per_second
-    decode_text = (
-        f"; decode (after the prefill) {decode[0]:.1f} vs {decode[1]:.1f} tok/s, {decode[1] / decode[0]:.2f}x"
-        if all(decode)
-        else ""
-    )
-    print(
-        f"plain AR {ar.seconds:.2f} s, speculative {spec.seconds:.2f} s, end to end {ar.seconds / spec.seconds:.2f}x"
-        f"{decode_text} (one run, {args.threads} threads; use benchmarks/ for measured ratios)"
-    )
-    return 0 if diff == 0 else 1
+    for name, baseline in (("stock AR", ar), ("fast AR", fast_ar)):
+        decode = baseline.decode_tokens_per_second, spec.decode_tokens_per_second
+        decode_text = f"; decode {decode[1] / decode[0]:.2f}x ({decode[1]:.1f} vs {decode[0]:.1f} tok/s)"
+        print(
+            f"vs {name}: {spec.seconds:.2f} s vs {baseline.seconds:.2f} s, end to end "
+            f"{baseline.seconds / spec.seconds:.2f}x{decode_text if all(decode) else ''}"
+        )
+    print(f"(one run each, {args.threads} threads; benchmarks/ has measured ratios)")
+    return 0 if diff == 0 or args.do_sample else 1
 
 
 @dataclass

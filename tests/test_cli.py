@@ -24,8 +24,8 @@ def assert_generate_is_lossless(capsys, *args: str) -> None:
     flags = {flag: value for flag, value in zip(args, args[1:], strict=False) if flag.startswith("--")}
     assert _field(r"prompt tokens: (\d+)", out) == int(flags["--context_length"])
     assert _field(r"new tokens: (\d+)", out) == int(flags["--max_new_tokens"])
-    gamma = int(flags.get("--gamma", 5))
-    rounds = _field(r"rounds (\d+),", out)
+    gamma = int(flags["--draft_length"]) if flags.get("--draft_length", "").isdigit() else 16
+    rounds = _field(r"rounds (\d+) \(", out)
     assert 1 <= rounds <= int(flags["--max_new_tokens"])
     # every round yields the accepted drafts plus the target's own token: between 1 and gamma + 1
     assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= gamma + 1
@@ -51,7 +51,7 @@ def test_no_command_prints_the_usage():
 
 
 def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
-    """`--compiled_draft`: a static draft cache whose one-token step compiles once (in the untimed warm-up run) and
+    """`--compile true`: a static draft cache whose one-token step compiles once (in the untimed warm-up run) and
     is reused by the timed one; `--assistant_confidence_threshold` ends drafts early; the output stays the target's."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -62,7 +62,8 @@ def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
         "--max_new_tokens", "12",
         "--cache", "budgeted",
         "--budget", "64",
-        "--compiled_draft", "true",
+        "--compile", "true",
+        "--draft_length", "4",
         "--assistant_confidence_threshold", "0.05",
     )  # fmt: skip
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -74,7 +75,9 @@ def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
     "flags,message",
     [
         (["--cache", "dense"], "--cache must be sink_window, budgeted or full"),
-        (["--cache", "full", "--compiled_draft", "true"], "use --cache sink_window or budgeted"),
+        (["--static", "maybe"], "--static must be auto, true or false"),
+        (["--draft_length", "99"], "draft_length must be 'adaptive', 'heuristic' or an int in"),
+        (["--do_sample", "true", "--temperature", "0"], "--temperature must be > 0"),
         (["--assistant_confidence_threshold", "1.5"], r"must be in \[0, 1\), got 1.5"),
     ],
 )
@@ -84,13 +87,22 @@ def test_bad_generate_arguments(flags, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_generate_demo_models_with_fast_target_attention(capsys):
+def test_generate_demo_models_with_defaults(capsys):
+    """The README's main job on a short prompt: every default on, the plan printed, both AR baselines reported."""
     assert_generate_is_lossless(
         capsys,
         "--demo_models",
         "--context_length", "1024",
         "--max_new_tokens", "16",
-        "--cache", "budgeted",
-        "--budget", "256",
-        "--target_attn_implementation", "budgetdraft_sdpa",
     )  # fmt: skip
+
+
+def test_generate_demo_models_sampling(capsys):
+    code = main(
+        ["generate", "--demo_models", "--context_length", "512", "--max_new_tokens", "12", "--do_sample", "true",
+         "--temperature", "0.8", "--threads", "1"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "keeps the target's distribution" in out and "greedy diff vs" not in out
+    assert _field(r"new tokens: (\d+)", out) == 12 and "draft_length='adaptive'" in out
+    assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= 17

@@ -41,7 +41,17 @@ from .greedy_diff import divergence_margin, noise_envelope, token_diff
 from .runners import AR_SETUPS, MethodSpec, RunResult, run_method, sparse_cache_config
 from .tasks import TASKS, Document, build_sample, load_documents, load_hub_documents, stdlib_documents
 
-BENCH_METHODS = ("native", "sink_window", "budgeted", "prompt_lookup", "mtp", "ar_stock", "ar_growable")
+BENCH_METHODS = (
+    "oneliner",
+    "native",
+    "sink_window",
+    "budgeted",
+    "prompt_lookup",
+    "mtp",
+    "ar_stock",
+    "ar_growable",
+    "ar_fast",
+)
 MAX_RUNS = 200_000  # bound on the generate() calls one bench may schedule
 MAX_NEW_TOKENS = 4096
 MAX_GAMMA = 64
@@ -68,7 +78,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         budgets=[256, 512, 1024, 2048],
         gammas=[4],
         policies=["chunk"],
-        methods=["native", "budgeted", "mtp", "ar_stock", "ar_growable"],
+        methods=["oneliner", "native", "budgeted", "mtp", "ar_stock", "ar_growable", "ar_fast"],
         tasks=["document"],
         new_tokens=128,
         repeats=2,
@@ -82,7 +92,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         budgets=[256, 512, 1024, 2048],
         gammas=[4, 8],
         policies=["chunk"],
-        methods=["native", "sink_window", "budgeted", "prompt_lookup", "mtp", "ar_stock", "ar_growable"],
+        methods=[
+            "oneliner",
+            "native",
+            "sink_window",
+            "budgeted",
+            "prompt_lookup",
+            "mtp",
+            "ar_stock",
+            "ar_growable",
+            "ar_fast",
+        ],
         tasks=list(TASKS),
         new_tokens=256,
         repeats=5,
@@ -295,12 +315,13 @@ class BenchArguments:
 
     def max_specs(self) -> int:
         """Upper bound on the runs per cell and repeat (2 targets' AR, 2 drafters)."""
+        oneliner = 2 * ("oneliner" in self.methods)
         per_gamma = ("native" in self.methods) + ("prompt_lookup" in self.methods)
         per_gamma += len(self.budgets) * (
             ("sink_window" in self.methods) + len(self.policies) * ("budgeted" in self.methods)
         )
         mtp = (1 + len(self.budgets)) if "mtp" in self.methods else 0
-        return 2 + 2 * per_gamma * len(self.gammas) + mtp
+        return 3 + oneliner + 2 * per_gamma * len(self.gammas) + mtp
 
     def num_runs(self, num_specs: int) -> int:
         cells = len(self.contexts) * len(self.tasks) * self.samples
@@ -476,6 +497,12 @@ def build_specs(args: BenchArguments, models: BenchModels) -> list[MethodSpec]:
     specs = [MethodSpec("ar")]
     specs += [MethodSpec("ar", ar_setup=s) for s in AR_SETUPS if f"ar_{s}" in args.methods]
     for drafter in models.drafters:
+        if (
+            "oneliner" in args.methods
+        ):  # `generate(ids, assistant_model=drafter, cache_implementation=...)` alone
+            for cache in ("budgeted", "sink_window"):
+                if cache in args.methods or (cache == "budgeted" and "sink_window" not in args.methods):
+                    specs.append(MethodSpec("assisted", cache, drafter=drafter, defaults=True))
         for gamma in args.gammas:
             if "native" in args.methods:
                 specs.append(MethodSpec("assisted", "full", gamma=gamma, drafter=drafter))
@@ -597,6 +624,12 @@ def make_records(
                     "context_length": context,
                     "gamma": spec.gamma,
                     "compiled": spec.compiled,
+                    "defaults": spec.defaults,
+                    "plan": repr(stats.plan.spec) if speculative and stats.plan is not None else None,
+                    "draft_length_policy": stats.draft_length_policy if speculative else None,
+                    "ar_rounds": stats.ar_rounds if speculative else None,
+                    "draft_prefill_seconds": stats.draft_prefill_seconds if speculative else None,
+                    "target_prefill_seconds": stats.target_prefill_seconds if speculative else None,
                     "repeat": repeat,
                     "new_tokens": len(run.new_ids),
                     "diff_tokens": diff.diff_tokens,

@@ -24,22 +24,32 @@ draft-side and target-side KV-cache bytes (`cache_nbytes` of the draft cache hel
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
 from ..generation.fast_path import draft_step_compile_config
+from ..generation.spec import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
-AR_SETUPS = ("stock", "growable")  # plain-AR baselines besides the reference (see the module docstring)
+AR_SETUPS = (
+    "stock",
+    "growable",
+    "fast",
+)  # plain-AR baselines besides the reference (see the module docstring)
 DRAFT_CACHES = ("none", "full", "sink_window", "budgeted")
-DEFAULT_SLACK = 32  # the sparse caches' default rollback slack: a larger γ needs a larger slack
+DEFAULT_SLACK = (
+    DraftSpec().slack
+)  # the sparse caches' default rollback slack: a larger γ needs a larger slack
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,9 @@ class MethodSpec:
             = the target as loaded on transformers' default cache, the reference every run is compared with.
         compiled (`bool`): sparse assisted runs only: the draft cache is static (`cache_config={"static": True}`;
             the drafter must run `budgetdraft_varlen` attention) and its one-token step is `torch.compile`d.
+        defaults (`bool`): sparse assisted runs only: the README's one-liner, `generate(ids, assistant_model=drafter,
+            cache_implementation=cache)` with nothing else (the `DraftSpec` defaults decide budget, draft length,
+            static cache, compilation and verification). Other sparse runs set each of those explicitly.
     """
 
     method: str
@@ -69,6 +82,7 @@ class MethodSpec:
     drafter: str | None = None
     ar_setup: str | None = None
     compiled: bool = False
+    defaults: bool = False
 
     def __post_init__(self):
         if self.ar_setup is not None and (self.method != "ar" or self.ar_setup not in AR_SETUPS):
@@ -77,6 +91,12 @@ class MethodSpec:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.cache not in DRAFT_CACHES:
             raise ValueError(f"cache must be one of {DRAFT_CACHES}, got {self.cache!r}")
+        if self.defaults:
+            if not (self.method == "assisted" and self.cache in ("sink_window", "budgeted")):
+                raise ValueError(
+                    f"defaults=True needs method 'assisted' with a sparse cache, got {self.cache!r}"
+                )
+            return
         if self.cache in ("sink_window", "budgeted") and not (self.budget and self.budget > 0):
             raise ValueError(f"cache={self.cache!r} needs a budget > 0, got {self.budget}")
         if self.cache == "budgeted" and not self.policy:
@@ -97,6 +117,8 @@ class MethodSpec:
         `mtp_native`, `mtp_windowed`; a compiled static draft adds `+compiled` (`budgeted/chunk+compiled`)."""
         if self.method == "mtp":
             return "mtp_native" if self.cache == "full" else "mtp_windowed"
+        if self.defaults:
+            return f"oneliner/{self.cache}"
         if self.method == "assisted":
             base = "native" if self.cache == "full" else self.cache
             base = f"{base}/{self.policy}" if self.policy else base
@@ -183,7 +205,12 @@ def _synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def _timed_generate(model, input_ids: torch.LongTensor, new_tokens: int, **kwargs) -> RunResult:
+def _timed_generate(
+    model, input_ids: torch.LongTensor, new_tokens: int, sampling: dict | None = None, **kwargs
+) -> RunResult:
+    """One timed `generate()`: greedy, or sampled with `sampling` (e.g. `{"temperature": 0.8}`), exactly
+    `new_tokens` new tokens."""
+    kwargs = {"do_sample": False, **({"do_sample": True, **sampling} if sampling else {}), **kwargs}
     device = input_ids.device
     on_cuda = device.type == "cuda"
     if on_cuda:
@@ -194,7 +221,6 @@ def _timed_generate(model, input_ids: torch.LongTensor, new_tokens: int, **kwarg
         start = time.perf_counter()
         output = model.generate(
             input_ids,
-            do_sample=False,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             return_dict_in_generate=True,
@@ -213,7 +239,7 @@ def _timed_generate(model, input_ids: torch.LongTensor, new_tokens: int, **kwarg
         first_chunk_tokens=streamer.counts[0] if streamer.counts else len(new_ids),
         stats=stats,
         draft_cache_bytes=cache_nbytes(draft_cache) if draft_cache is not None else 0,
-        target_cache_bytes=cache_nbytes(output.past_key_values) if output.past_key_values is not None else 0,
+        target_cache_bytes=cache_nbytes(output.cache) if output.cache is not None else 0,
         peak_rss_bytes=peak_rss_bytes(),
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
     )
@@ -240,6 +266,8 @@ def sparse_cache_config(
 ) -> dict:
     """`cache_config` for a `sink_window` / `budgeted` spec (rollback slack >= γ)."""
     config: dict = {}
+    if spec.defaults:
+        return {}
     if spec.cache == "sink_window":
         if spec.budget <= num_sink_tokens:
             raise ValueError(
@@ -255,27 +283,44 @@ def sparse_cache_config(
         raise ValueError(f"spec {spec.label!r} has no sparse cache")
     if spec.gamma > DEFAULT_SLACK:
         config["slack"] = spec.gamma
-    if spec.compiled:
-        config["static"] = True
+    # explicit rows: the drafter's γ (set on its generation config), a dynamic cache unless compiled, the target on
+    # the bench's attention; only the one-liner row leaves these to the `DraftSpec` defaults
+    if spec.method == "assisted":
+        config.update(static=spec.compiled, compile=spec.compiled, fast_verify=False)
     return config
 
 
-def run_ar(target, input_ids: torch.LongTensor, new_tokens: int, setup: str | None = None) -> RunResult:
-    """Plain greedy decoding: the reference every other method must reproduce token for token.
+@contextlib.contextmanager
+def _attention(model, implementation: str | None) -> Iterator[None]:
+    """Run `model` on `implementation` (None: as it is) inside the block, restored after."""
+    original = model.config._attn_implementation
+    if implementation is not None and implementation != original:
+        model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
+
+
+def run_ar(
+    target,
+    input_ids: torch.LongTensor,
+    new_tokens: int,
+    setup: str | None = None,
+    sampling: dict | None = None,
+) -> RunResult:
+    """Plain decoding (greedy: the reference every other method must reproduce token for token).
 
     `setup="stock"` runs it with transformers' own `sdpa` attention (whatever the target was set to, restored
-    after); `setup="growable"` on a `GrowableCache` sized for the call (in-place appends)."""
-    if setup == "growable":
+    after); `setup="growable"` on a `GrowableCache` sized for the call (in-place appends); `setup="fast"` both the
+    package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has)."""
+    if setup in ("growable", "fast"):
         cache = GrowableCache(config=target.config, initial_capacity=input_ids.shape[1] + new_tokens)
-        return _timed_generate(target, input_ids, new_tokens, cache=cache)
-    if setup == "stock":
-        attention = target.config._attn_implementation
-        target.set_attn_implementation("sdpa")
-        try:
-            return _timed_generate(target, input_ids, new_tokens)
-        finally:
-            target.set_attn_implementation(attention)
-    return _timed_generate(target, input_ids, new_tokens)
+        with _attention(target, FAST_SDPA if setup == "fast" else None):
+            return _timed_generate(target, input_ids, new_tokens, sampling, cache=cache)
+    with _attention(target, "sdpa" if setup == "stock" else None):
+        return _timed_generate(target, input_ids, new_tokens, sampling)
 
 
 def run_assisted(
@@ -283,21 +328,28 @@ def run_assisted(
     drafter,
     input_ids: torch.LongTensor,
     new_tokens: int,
-    gamma: int,
+    gamma: int | None,
     cache_implementation: str | None = None,
     cache_config: dict | None = None,
     compiled: bool = False,
     confidence_threshold: float = 0.0,
+    sampling: dict | None = None,
 ) -> RunResult:
     """Assisted generation: `cache_implementation=None` is stock transformers ("native", the drafter on its own
     full cache); `"sink_window"` / `"budgeted"` give the drafter a sparse cache (the target keeps a full one);
     `compiled` (with `cache_config["static"]`) compiles the drafter's one-token step; `confidence_threshold` > 0
-    stops a round's draft early on an unlikely token (γ is then the maximum)."""
-    _configure_drafter(drafter, gamma, compiled, confidence_threshold)
+    stops a round's draft early on an unlikely token (γ is then the maximum). `gamma=None` with a sparse cache:
+    the drafter's generation config is left alone and the call's `cache_config` (a `DraftSpec`) decides."""
+    if gamma is not None:
+        _configure_drafter(drafter, gamma, compiled, confidence_threshold)
+    else:  # what a user's freshly loaded drafter has: no draft-length settings of its own
+        config = drafter.generation_config
+        config.num_assistant_tokens = config.num_assistant_tokens_schedule = None
+        config.assistant_confidence_threshold = config.compile_config = None
     kwargs = {}
     if cache_implementation is not None:
         kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
-    return _timed_generate(target, input_ids, new_tokens, assistant_model=drafter, **kwargs)
+    return _timed_generate(target, input_ids, new_tokens, sampling, assistant_model=drafter, **kwargs)
 
 
 def run_prompt_lookup(
@@ -376,7 +428,7 @@ def run_method(
         drafters[spec.drafter],
         input_ids,
         new_tokens,
-        spec.gamma,
+        None if spec.defaults else spec.gamma,
         spec.cache if sparse else None,
         cache_config,
         spec.compiled,
