@@ -203,10 +203,11 @@ def _configure(drafter, gamma: int) -> None:
     config.assistant_confidence_threshold = 0.0
 
 
-def _greedy_runs(target, drafter, native_drafter, ids, new_tokens: int, caches: dict, repeats: int, device):
-    """`{label: [generated tokens (n,) per repeat]}` and the last repeat's speculation stats per label."""
+def _greedy_runs(target, drafters: dict, ids, new_tokens: int, caches: dict, repeats: int, device):
+    """`{label: [generated tokens (n,) per repeat]}` and the last repeat's speculation stats per label.
+    `drafters`: `"native"` (stock assisted), `"sparse"` (the configured one) and `"oneliner"` (as loaded)."""
     prompt = ids.shape[1]
-    labels = ["ar", "native", *caches]
+    labels = ["ar", "native", "oneliner", *caches]
     outputs: dict[str, list[torch.Tensor]] = {label: [] for label in labels}
     stats_by_label, errors = {}, {}
     graphs = []  # graphs torch.compile built during each repeat (the static drafts compile in generate)
@@ -215,11 +216,15 @@ def _greedy_runs(target, drafter, native_drafter, ids, new_tokens: int, caches: 
         for label in labels:
             kwargs = dict(do_sample=False, max_new_tokens=new_tokens)
             if label == "native":
-                kwargs["assistant_model"] = native_drafter
+                kwargs["assistant_model"] = drafters["native"]
+            elif label == "oneliner":  # the README's call: the DraftSpec defaults decide everything
+                kwargs.update(assistant_model=drafters["oneliner"], cache_implementation="budgeted")
             elif label != "ar":
                 implementation, cache_config = caches[label]
                 kwargs.update(
-                    assistant_model=drafter, cache_implementation=implementation, cache_config=cache_config
+                    assistant_model=drafters["sparse"],
+                    cache_implementation=implementation,
+                    cache_config=cache_config,
                 )
             try:
                 with torch.inference_mode(), record_speculation() as stats:
@@ -247,7 +252,10 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
     sink, window, budget = sizes["sink"], sizes["window"], sizes["budget"]
     slack = max(8, gamma)
     caches = {  # label -> (cache_implementation, cache_config); the static ones compile in generate
-        "sink_window": ("sink_window", {"num_sink_tokens": sink, "window_length": window, "slack": slack}),
+        "sink_window": (
+            "sink_window",
+            {"num_sink_tokens": sink, "window_length": window, "slack": slack, "static": False},
+        ),
         "sink_window_static": (
             "sink_window",
             {"num_sink_tokens": sink, "window_length": window, "slack": slack, "static": True},
@@ -258,7 +266,13 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
         ),
         "budgeted_snapkv": (
             "budgeted",
-            {"budget": budget, "policy": "snapkv", "policy_kwargs": {"window_size": 8}, "slack": slack},
+            {
+                "budget": budget,
+                "policy": "snapkv",
+                "policy_kwargs": {"window_size": 8},
+                "slack": slack,
+                "static": False,
+            },
         ),
     }
     result: dict = {"settings": dict(sizes), "runs": {}, "envelope": {}}
@@ -269,6 +283,7 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
         target, drafter = smoke_pair(seed=0, max_position_embeddings=prompt + new_tokens + 64)
         target, drafter = target.to(device, dtype), drafter.to(device, dtype)
         native_drafter = copy.deepcopy(drafter)  # stock sdpa, full cache: "native"
+        oneliner_drafter = copy.deepcopy(drafter)  # as loaded: no draft-length or compile settings
         drafter.set_attn_implementation(VARLEN)
         for model in (drafter, native_drafter):
             _configure(model, gamma)
@@ -281,7 +296,13 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
         drafter.generation_config.compile_config = compile_config
         torch._dynamo.reset()  # fresh compile caches: the recompile counts below are this run's
         outputs, stats_by_label, graphs, errors = _greedy_runs(
-            target, drafter, native_drafter, ids, new_tokens, caches, sizes["repeats"], device
+            target,
+            {"native": native_drafter, "sparse": drafter, "oneliner": oneliner_drafter},
+            ids,
+            new_tokens,
+            caches,
+            sizes["repeats"],
+            device,
         )
         for label, error in errors.items():
             report.check(f"greedy.{dtype_name}.{label}.ran", False, error.splitlines()[0])

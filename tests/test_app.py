@@ -136,6 +136,17 @@ def test_every_method_is_lossless_and_reported(store, method, policy, model):
     assert out["plot"] is not None and len(out["plot"].axes[0].patches) == spec["gamma"]
 
 
+@pytest.mark.parametrize("method", ["budgeted", "sink_window"])
+def test_adaptive_draft_length_is_the_default_and_lossless(store, method):
+    """γ = 0 (the slider's default) runs the package's adaptive draft length, as the one-liner does."""
+    out = final(store, method=method, gamma=0)
+    assert out["status"].startswith("Done"), out["status"]
+    summary = out["raw"]
+    assert summary["greedy_check"]["identical"] is True
+    assert summary["speculative"]["gamma"] == 0 and "γ=adaptive" in summary["speculative"]["method"]
+    assert RunRequest().gamma == 0 and RunRequest().method == "budgeted" and RunRequest().budget == 512
+
+
 def test_sparse_draft_cache_is_smaller_than_a_full_one(store):
     summary = final(store, method="sink_window", context_length=512, num_sink_tokens=4, window_length=48)[
         "raw"
@@ -457,7 +468,7 @@ def test_control_visibility():
     target_box, drafter_box, method = on_model_change(MODEL_LOCAL, "sink_window")
     assert target_box["visible"] and drafter_box["visible"] and method["value"] == "sink_window"
     assert on_model_change(MODEL_SMOKE_MTP, "budgeted")[2]["value"] == "mtp_windowed"
-    assert on_model_change(MODEL_SMOKE, "mtp_native")[2]["value"] == "sink_window"
+    assert on_model_change(MODEL_SMOKE, "mtp_native")[2]["value"] == "budgeted"  # the package's default
     depth, text, upload = on_source_change("passkey")
     assert depth["visible"] and not text["visible"] and not upload["visible"]
     policy, budget, sink, window, gamma = on_method_change("budgeted")

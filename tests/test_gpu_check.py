@@ -50,12 +50,20 @@ def test_cpu_smoke_runs_every_section_and_passes(gpu_check, tmp_path, fresh_dyna
     assert {s["what"] for s in report["skipped"]} >= {"kernels.flash_attn", "kernels.torch_varlen"}
 
     # 2. + 3. greedy equivalence on every draft path, fp32 and bf16, with the envelope rows
-    labels = {"ar", "native", "sink_window", "sink_window_static", "budgeted_static", "budgeted_snapkv"}
+    labels = {
+        "ar",
+        "native",
+        "oneliner",
+        "sink_window",
+        "sink_window_static",
+        "budgeted_static",
+        "budgeted_snapkv",
+    }
     for dtype in ("float32", "bfloat16"):
         runs = report["greedy"]["runs"][dtype]
         assert set(runs) == labels
         assert all(row["diff_vs_ar"] == 0 for row in runs.values())  # CPU: exact in both dtypes here
-        assert runs["sink_window_static"]["rounds"] > 0
+        assert runs["sink_window_static"]["rounds"] > 0 and runs["oneliner"]["rounds"] > 0
         assert report["greedy"]["compiled_graphs_per_repeat"][dtype][1:] == [0]  # no recompiles
     kinds = {row["kind"] for row in report["greedy"]["envelope"]["bfloat16"]}
     assert kinds == {"native_vs_ar", "windowed_vs_native", "windowed_vs_ar"}

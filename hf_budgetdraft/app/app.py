@@ -18,6 +18,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no teleme
 import gradio as gr  # noqa: E402
 
 from .backend import (  # noqa: E402
+    DEFAULT_SPEC,
     DRAFTER_METHODS,
     METHOD_LABELS,
     MODEL_LOCAL,
@@ -136,7 +137,7 @@ def on_model_change(model: str, method: str) -> tuple:
     if model == MODEL_SMOKE_MTP and method in DRAFTER_METHODS:
         method = "mtp_windowed"
     elif model != MODEL_SMOKE_MTP and model != MODEL_LOCAL and method in MTP_METHODS:
-        method = "sink_window"
+        method = DEFAULT_SPEC.cache
     return gr.update(visible=local), gr.update(visible=local), gr.update(value=method)
 
 
@@ -238,41 +239,39 @@ def build_app(args: AppArguments | None = None, store: ModelStore | None = None)
                 with gr.Group():
                     method = gr.Dropdown(
                         [(label, key) for key, label in METHOD_LABELS.items()],
-                        value="sink_window",
+                        value=DEFAULT_SPEC.cache,
                         label="Method",
                         elem_id="method",
                     )
-                    policy = gr.Dropdown(
-                        list(POLICY_NAMES), value="chunk", label="Budget policy", visible=False
-                    )
+                    policy = gr.Dropdown(list(POLICY_NAMES), value=DEFAULT_SPEC.policy, label="Budget policy")
                     budget = gr.Slider(
                         1,
                         args.max_budget,
-                        value=min(256, args.max_budget),
+                        value=min(DEFAULT_SPEC.budget, args.max_budget),
                         step=1,
                         label="Budget B",
-                        visible=False,
                     )
                     sink = gr.Slider(
                         0,
                         args.max_sink_tokens,
-                        value=min(16, args.max_sink_tokens),
+                        value=min(DEFAULT_SPEC.num_sink_tokens, args.max_sink_tokens),
                         step=1,
                         label="Sink tokens S",
+                        visible=False,
                     )
                     window = gr.Slider(
                         1,
                         args.max_window_length,
-                        value=min(256, args.max_window_length),
+                        value=min(DEFAULT_SPEC.window_length, args.max_window_length),
                         step=1,
                         label="Window W (recent tokens the draft reads)",
                     )
                     gamma = gr.Slider(
-                        1,
+                        0,
                         args.max_gamma,
-                        value=min(4, args.max_gamma),
+                        value=0,
                         step=1,
-                        label="γ (draft tokens per round)",
+                        label="γ (draft tokens per round; 0 = adaptive, the default)",
                     )
                     max_new_tokens = gr.Slider(
                         1,

@@ -34,12 +34,14 @@ from ..demo.documents import demo_documents
 from ..eval.bench import quiet_transformers
 from ..eval.greedy_diff import divergence_margin, token_diff
 from ..eval.metrics import acceptance_intervals
-from ..eval.runners import DEFAULT_SLACK
 from ..eval.tasks import Document, build_sample
 from ..generation.mtp import expose_mtp_layers
+from ..generation.spec import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
 from ..random_models import smoke_mtp_model, smoke_pair
 from .config import AppArguments
+
+DEFAULT_SPEC = DraftSpec()  # the app's defaults are the package's
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,9 @@ class RunRequest:
         method (`str`): a key of `METHOD_LABELS`.
         policy (`str`): budgeted selection policy.
         num_sink_tokens, window_length, budget (`int`): the draft cache's sizes.
-        gamma (`int`): draft tokens per round (MTP: fixed by the model's MTP depth).
+        gamma (`int`): draft tokens per round; 0 = adaptive (the package's default: chosen each round from the
+            call's costs and acceptance; stock assisted generation then uses transformers' own default). MTP:
+            fixed by the model's MTP depth.
         max_new_tokens (`int`): tokens each run generates at most.
         sampling (`bool`): sample (speculative sampling keeps the target's distribution) instead of greedy.
         temperature (`float`): sampling temperature.
@@ -143,12 +147,12 @@ class RunRequest:
     upload: str | None = None
     depth: float = 0.5
     context_length: int = 1024
-    method: str = "sink_window"
-    policy: str = "chunk"
-    num_sink_tokens: int = 16
-    window_length: int = 256
-    budget: int = 256
-    gamma: int = 4
+    method: str = DEFAULT_SPEC.cache
+    policy: str = DEFAULT_SPEC.policy
+    num_sink_tokens: int = DEFAULT_SPEC.num_sink_tokens
+    window_length: int = DEFAULT_SPEC.window_length
+    budget: int = DEFAULT_SPEC.budget
+    gamma: int = 0
     max_new_tokens: int = 48
     sampling: bool = False
     temperature: float = 1.0
@@ -186,7 +190,7 @@ class RunRequest:
         for name, low, high, flag in (
             ("context_length", 16, limits.max_context_length, "--max_context_length"),
             ("max_new_tokens", 1, limits.max_new_tokens, "--max_new_tokens"),
-            ("gamma", 1, limits.max_gamma, "--max_gamma"),
+            ("gamma", 0, limits.max_gamma, "--max_gamma"),
             ("window_length", 1, limits.max_window_length, "--max_window_length"),
             ("budget", 1, limits.max_budget, "--max_budget"),
             ("num_sink_tokens", 0, limits.max_sink_tokens, "--max_sink_tokens"),
@@ -828,8 +832,22 @@ def _full_kv_bytes(model, tokens: int, mtp: bool) -> int:
     return total
 
 
+def draft_spec(request: RunRequest) -> DraftSpec:
+    """The `DraftSpec` of a drafter request: its cache sizes, and γ = 0 for the adaptive draft length (the
+    package's default) or a fixed γ."""
+    cache = request.method
+    sizes = {"window_length": request.window_length}
+    if cache == "budgeted":
+        sizes |= {"budget": request.budget, "policy": request.policy}
+    else:
+        sizes |= {"num_sink_tokens": request.num_sink_tokens}
+    gamma = request.gamma or "adaptive"
+    slack = max(DraftSpec().slack, request.gamma)
+    return DraftSpec(cache=cache, draft_length=gamma, slack=slack, **sizes)
+
+
 def speculative_call(request: RunRequest, pair: ModelPair) -> tuple[dict, int]:
-    """`generate()` arguments of the speculative method (beyond the decoding ones) and its effective γ."""
+    """`generate()` arguments of the speculative method (beyond the decoding ones) and its γ (0: adaptive)."""
     method = request.method
     if method in MTP_METHODS:
         kwargs: dict = {"use_mtp": True}
@@ -842,32 +860,18 @@ def speculative_call(request: RunRequest, pair: ModelPair) -> tuple[dict, int]:
                 },
             }
         return kwargs, pair.num_mtp_layers
-    drafter = pair.drafter
-    config = drafter.generation_config  # a fixed γ per round: no heuristic schedule, no confidence early stop
-    config.num_assistant_tokens = request.gamma
-    config.num_assistant_tokens_schedule = "constant"
-    config.assistant_confidence_threshold = 0.0
-    kwargs = {"assistant_model": drafter}
-    slack = {"slack": request.gamma} if request.gamma > DEFAULT_SLACK else {}
-    if method == "sink_window":
-        kwargs |= {
-            "cache_implementation": "sink_window",
-            "cache_config": {
-                "num_sink_tokens": request.num_sink_tokens,
-                "window_length": request.window_length,
-                **slack,
-            },
-        }
-    elif method == "budgeted":
-        kwargs |= {
-            "cache_implementation": "budgeted",
-            "cache_config": {
-                "budget": request.budget,
-                "policy": request.policy,
-                "window_length": request.window_length,
-                **slack,
-            },
-        }
+    config = pair.drafter.generation_config  # the request's spec alone decides the draft length
+    config.num_assistant_tokens = config.num_assistant_tokens_schedule = None
+    config.assistant_confidence_threshold = None
+    kwargs = {"assistant_model": pair.drafter}
+    if method in ("sink_window", "budgeted"):
+        spec = draft_spec(request)
+        kwargs |= {"cache_implementation": spec.cache, "cache_config": spec.to_cache_config()}
+    elif (
+        request.gamma
+    ):  # native: stock assisted generation, a fixed γ set on the drafter as transformers reads it
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = request.gamma, "constant"
+        config.assistant_confidence_threshold = 0.0
     return kwargs, request.gamma
 
 
@@ -882,7 +886,7 @@ def method_title(request: RunRequest, gamma: int) -> str:
         detail = f" (S={request.num_sink_tokens}, W={request.window_length})"
     else:
         detail = ""
-    return f"{method}{detail} γ={gamma}"
+    return f"{method}{detail} γ={gamma or 'adaptive'}"
 
 
 def _decoding_kwargs(request: RunRequest, tokenizer) -> dict:

@@ -111,7 +111,7 @@ def stats_markdown(summary: dict | None) -> str:
         row(
             "mean accepted length (tokens per verification)",
             "1",
-            f"{_number(spec['mean_accepted_length'], 2)} over {spec['rounds']} rounds (γ = {spec['gamma']})",
+            f"{_number(spec['mean_accepted_length'], 2)} over {spec['rounds']} rounds (γ = {spec['gamma'] or 'adaptive'})",
         )
         row(
             "acceptance rate (accepted / proposed drafts)", "", _number(100 * spec["acceptance_rate"], 1, "%")

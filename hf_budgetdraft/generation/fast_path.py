@@ -185,7 +185,7 @@ def resolve_plan(
         drafter.generation_config.compile_config
     )  # an explicit compile config on the drafter means "compile"
     compile_config = asked or draft_step_compile_config(drafter.device)
-    compiled = True if spec.compile == AUTO and asked is not None else spec.compile
+    compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
     if compiled is True and not static:
         raise ValueError(
             "compile=True compiles the step of a static draft cache; drop compile or set static=True"

@@ -16,6 +16,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import SchedulerType
 
 from ..cache.policies import POLICIES, get_policy
+from ..generation.spec import DraftSpec
 from .losses import SOFT_LOSSES
 from .views import VIEW_KINDS, SparseViewSpec
 
@@ -270,17 +271,21 @@ class BudgetDraftConfig(TrainingArguments):
             num_sink_tokens=self.num_sink_tokens,
         )
 
-    def cache_config(self, budget: int) -> dict:
-        """The `generate(cache_implementation=self.cache_kind, cache_config=...)` that deploys what a view of
-        `budget` trained."""
+    def draft_spec(self, budget: int) -> DraftSpec:
+        """The `DraftSpec` that deploys what a view of `budget` trained (the inference defaults otherwise)."""
         if self.cache_kind == "sink_window":
-            return {"num_sink_tokens": self.num_sink_tokens, "window_length": budget - self.num_sink_tokens}
-        return {
-            "budget": budget,
-            "policy": self.policy,
-            "window_length": self.window_length,
-            **({"policy_kwargs": dict(self.policy_kwargs)} if self.policy_kwargs else {}),
-        }
+            sizes = {"num_sink_tokens": self.num_sink_tokens, "window_length": budget - self.num_sink_tokens}
+        else:
+            kwargs = dict(self.policy_kwargs) if self.policy_kwargs else None
+            sizes = {"budget": budget, "policy": self.policy, "window_length": self.window_length}
+            sizes["policy_kwargs"] = kwargs
+        return DraftSpec(cache=self.cache_kind, **sizes)
+
+    def cache_config(self, budget: int) -> dict:
+        """The cache sizes of `generate(cache_implementation=self.cache_kind, cache_config=...)` that deploy what a
+        view of `budget` trained (`draft_spec(budget)`'s, written out in full)."""
+        options = self.draft_spec(budget).cache_kwargs(static=False)
+        return {k: v for k, v in options.items() if k not in ("static", "slack")}
 
     def lora_config(self):
         """The `peft.LoraConfig` for `use_lora=True`."""
