@@ -94,8 +94,8 @@ class AdaptiveDraftLength(DraftLength):
     towards the call's overall acceptance so positions rarely reached borrow strength; costs start from prior
     ratios to the verification step and are replaced by this call's timings after its first round (which holds
     both prefills and is never fitted). Estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
-    drafts one probing round (after 8, 16, 32, ... AR rounds) so a drafter that improves later (the text changes)
-    is taken back.
+    drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once drafting pays again) so a drafter
+    that improves later (the text changes) is taken back.
 
     Args:
         maximum (`int`): the longest round (the draft cache's rollback slack bounds it).
@@ -159,7 +159,9 @@ class AdaptiveDraftLength(DraftLength):
     def next_length(self) -> int:
         rates = self.expected_rates()
         best = max(range(len(rates)), key=rates.__getitem__)
-        if best == 0 and self.ar_rounds_in_a_row >= self.probe_after:
+        if best > 0:
+            self.probe_after = 8  # drafting pays again: probe soon after the next fallback
+        elif self.ar_rounds_in_a_row >= self.probe_after:
             self.probe_after = min(2 * self.probe_after, 256)
             self.ar_rounds_in_a_row = 0
             return max(range(1, len(rates)), key=rates.__getitem__)
@@ -169,7 +171,6 @@ class AdaptiveDraftLength(DraftLength):
         self.rounds += 1
         self.ar_rounds_in_a_row = self.ar_rounds_in_a_row + 1 if drafted == 0 else 0
         if drafted:
-            self.probe_after = 8 if accepted else self.probe_after
             for k in range(self.maximum):
                 self.accepted[k] *= self.decay
                 self.reached[k] *= self.decay
