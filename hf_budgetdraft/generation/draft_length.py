@@ -95,7 +95,8 @@ class AdaptiveDraftLength(DraftLength):
     ratios to the verification step and are replaced by this call's timings after its first round (which holds
     both prefills and is never fitted). Estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
     drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once drafting pays again) so a drafter
-    that improves later (the text changes) is taken back.
+    that improves later (the text changes) is taken back. The third round (the first after a timed drafting round)
+    is always a plain AR step, so the cost drafting competes with is measured.
 
     Args:
         maximum (`int`): the longest round (the draft cache's rollback slack bounds it).
@@ -117,7 +118,8 @@ class AdaptiveDraftLength(DraftLength):
             raise ValueError(f"maximum must be >= 1, got {self.maximum}")
         self.accepted = [0.0] * self.maximum  # decayed counts per draft position
         self.reached = [0.0] * self.maximum
-        self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)
+        self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)  # rounds that drafted
+        self.ar_step: float | None = None  # rounds that did not: the target's plain one-token step
         self.draft_per_token: float | None = None
         self.rounds = 0
         self.ar_rounds_in_a_row = 0
@@ -134,29 +136,35 @@ class AdaptiveDraftLength(DraftLength):
             for a, r in zip(self.accepted, self.reached, strict=True)
         ]
 
-    def costs(self) -> tuple[float, float, float]:
-        """`(verify intercept, verify slope, draft step)` in seconds (relative units before any timing)."""
+    def costs(self) -> tuple[float, float, float, float]:
+        """`(AR step, verify intercept, verify slope, draft step)` in seconds (relative units before any timing).
+
+        Verifying γ >= 1 tokens is fitted apart from the plain one-token step: a multi-token verification can take
+        another attention path (`budgetdraft_sdpa` attends to the past and the block separately), so the cost
+        jumps from γ = 0 to γ = 1 more than it grows after."""
         if self.verify.count == 0:
-            return 1.0, self.prior_verify_slope, self.prior_draft_ratio
-        intercept, slope = self.verify.coefficients()
-        draft = (
-            self.draft_per_token if self.draft_per_token is not None else self.prior_draft_ratio * intercept
-        )
-        return intercept, slope, draft
+            intercept = self.ar_step or 1.0
+            slope = self.prior_verify_slope * intercept
+        else:
+            intercept, slope = self.verify.coefficients()
+        ar_step = self.ar_step if self.ar_step is not None else intercept
+        draft = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_ratio * ar_step
+        return ar_step, intercept, slope, draft
 
     def expected_rates(self) -> list[float]:
         """Expected tokens per second for γ = 0..maximum."""
-        intercept, slope, draft = self.costs()
-        rates, tokens, survive = [], 1.0, 1.0
-        for gamma, rate in enumerate([1.0, *self.acceptance()]):
-            if gamma:
-                survive *= rate
-                tokens += survive
+        ar_step, intercept, slope, draft = self.costs()
+        rates, tokens, survive = [1.0 / ar_step], 1.0, 1.0
+        for gamma, rate in enumerate(self.acceptance(), start=1):
+            survive *= rate
+            tokens += survive
             rates.append(tokens / (intercept + slope * gamma + draft * gamma))
         return rates
 
     # -- policy --------------------------------------------------------------------------------------------------
     def next_length(self) -> int:
+        if self.ar_step is None and self.verify.count > 0:
+            return 0  # one plain AR step early on: what drafting is compared with must be measured, not assumed
         rates = self.expected_rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         if best > 0:
@@ -179,8 +187,12 @@ class AdaptiveDraftLength(DraftLength):
                 self.accepted[k] += 1.0 if k < accepted else 0.0
         if self.rounds == 1 or not (math.isfinite(verify_seconds) and verify_seconds > 0):
             return  # the first round holds the target's and the drafter's prefills
+        if not drafted:
+            self.ar_step = (
+                verify_seconds if self.ar_step is None else 0.8 * self.ar_step + 0.2 * verify_seconds
+            )
+            return
         self.verify.add(float(drafted), verify_seconds)
-        if drafted:
-            per_token = draft_seconds / drafted
-            previous = self.draft_per_token
-            self.draft_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+        per_token = draft_seconds / drafted
+        previous = self.draft_per_token
+        self.draft_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
