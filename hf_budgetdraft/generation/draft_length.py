@@ -103,6 +103,8 @@ class AdaptiveDraftLength(DraftLength):
         prior_acceptance (`float`): a priori acceptance of a draft token, before any round.
         prior_draft_ratio (`float`): a priori cost of one draft step over a one-token verification.
         prior_verify_slope (`float`): a priori cost of one more verified token over a one-token verification.
+        switch_margin (`float`): drafting must be predicted to beat the AR step by this fraction, so noise in the
+            estimates does not buy rounds that lose.
     """
 
     maximum: int
@@ -111,6 +113,7 @@ class AdaptiveDraftLength(DraftLength):
     prior_draft_ratio: float = 0.1
     prior_verify_slope: float = 0.05
     decay: float = 0.97
+    switch_margin: float = 0.05
     name = "adaptive"
 
     def __post_init__(self):
@@ -164,9 +167,13 @@ class AdaptiveDraftLength(DraftLength):
     # -- policy --------------------------------------------------------------------------------------------------
     def next_length(self) -> int:
         if self.ar_step is None and self.verify.count > 0:
-            return 0  # one plain AR step early on: what drafting is compared with must be measured, not assumed
+            return (
+                0  # one plain AR step early on: what drafting is compared with must be measured, not assumed
+            )
         rates = self.expected_rates()
         best = max(range(len(rates)), key=rates.__getitem__)
+        if best > 0 and rates[best] < (1 + self.switch_margin) * rates[0]:
+            best = 0  # a predicted gain inside the estimates' noise is not worth a drafting round
         if best > 0:
             self.probe_after = 8  # drafting pays again: probe soon after the next fallback
         elif self.ar_rounds_in_a_row >= self.probe_after:
