@@ -37,33 +37,25 @@ from .attention.fast_sdpa import register as register_fast_sdpa
 from .attention.query_capture import CAPTURE_PREFIX
 from .attention.query_capture import register as register_query_capture
 from .attention.varlen import register as register_varlen
-from .cache import BudgetedCache, GrowableCache, SinkWindowCache, SparseDraftCache, is_full_attention_only
+from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
 from .generation.fast_path import DraftPlan, resolve_plan
 from .generation.mtp import expose_mtp_layers, windowed_mtp_cache
-from .generation.spec import DraftSpec
+from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 
-SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = {
-    "sink_window": SinkWindowCache,
-    "budgeted": BudgetedCache,
-}
+SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES
 
 _originals: dict[str, object] = {}
 _current_plan: ContextVar[DraftPlan | None] = ContextVar("budgetdraft_draft_plan", default=None)
 
 
-def build_sparse_cache(
-    name: str, config: PreTrainedConfig, cache_config: dict | None, static: bool | None = None
-) -> SparseDraftCache:
+def build_sparse_cache(name: str, config: PreTrainedConfig, cache_config: dict | None) -> SparseDraftCache:
     """Build the cache named by `cache_implementation` from `generate()`'s `cache_config` dict (a `DraftSpec`'s
-    options); `static` overrides the spec's switch (`"auto"` alone means dynamic here)."""
-    spec = DraftSpec.from_cache_config(name, cache_config)
-    if static is None:
-        static = spec.static is True
-    return SPARSE_CACHE_IMPLEMENTATIONS[name](config=config, **spec.cache_kwargs(static))
+    options; an unresolved `static="auto"` means dynamic here)."""
+    return DraftSpec.from_cache_config(name, cache_config).build_cache(config)
 
 
 def _check_assistant(
@@ -153,9 +145,7 @@ def _get_candidate_generator(
             assistant_model=assistant_model,
             generation_config=generation_config,
             model_kwargs=model_kwargs,
-            draft_cache=build_sparse_cache(
-                name, assistant_model.config, generation_config.cache_config, static=plan.spec.static
-            ),
+            draft_cache=plan.spec.build_cache(assistant_model.config),
             plan=plan,
             inputs_tensor=inputs_tensor,
             logits_processor=logits_processor,

@@ -34,6 +34,7 @@ from ..demo.documents import demo_documents
 from ..eval.bench import quiet_transformers
 from ..eval.greedy_diff import divergence_margin, token_diff
 from ..eval.metrics import acceptance_intervals
+from ..eval.runners import configure_drafter
 from ..eval.tasks import Document, build_sample
 from ..generation.mtp import expose_mtp_layers
 from ..generation.spec import DraftSpec
@@ -842,7 +843,7 @@ def draft_spec(request: RunRequest) -> DraftSpec:
     else:
         sizes |= {"num_sink_tokens": request.num_sink_tokens}
     gamma = request.gamma or "adaptive"
-    slack = max(DraftSpec().slack, request.gamma)
+    slack = max(DEFAULT_SPEC.slack, request.gamma)
     return DraftSpec(cache=cache, draft_length=gamma, slack=slack, **sizes)
 
 
@@ -860,18 +861,13 @@ def speculative_call(request: RunRequest, pair: ModelPair) -> tuple[dict, int]:
                 },
             }
         return kwargs, pair.num_mtp_layers
-    config = pair.drafter.generation_config  # the request's spec alone decides the draft length
-    config.num_assistant_tokens = config.num_assistant_tokens_schedule = None
-    config.assistant_confidence_threshold = None
     kwargs = {"assistant_model": pair.drafter}
-    if method in ("sink_window", "budgeted"):
+    if method in ("sink_window", "budgeted"):  # the request's spec alone decides the draft length
+        configure_drafter(pair.drafter, None)
         spec = draft_spec(request)
         kwargs |= {"cache_implementation": spec.cache, "cache_config": spec.to_cache_config()}
-    elif (
-        request.gamma
-    ):  # native: stock assisted generation, a fixed γ set on the drafter as transformers reads it
-        config.num_assistant_tokens, config.num_assistant_tokens_schedule = request.gamma, "constant"
-        config.assistant_confidence_threshold = 0.0
+    else:  # native: stock assisted generation reads a fixed γ from the drafter (0: transformers' default)
+        configure_drafter(pair.drafter, request.gamma or None)
     return kwargs, request.gamma
 
 

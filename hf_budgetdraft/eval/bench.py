@@ -487,12 +487,11 @@ def build_specs(args: BenchArguments, models: BenchModels) -> list[MethodSpec]:
     specs = [MethodSpec("ar")]
     specs += [MethodSpec("ar", ar_setup=s) for s in AR_SETUPS if f"ar_{s}" in args.methods]
     for drafter in models.drafters:
-        if (
-            "oneliner" in args.methods
-        ):  # `generate(ids, assistant_model=drafter, cache_implementation=...)` alone
-            for cache in ("budgeted", "sink_window"):
-                if cache in args.methods or (cache == "budgeted" and "sink_window" not in args.methods):
-                    specs.append(MethodSpec("assisted", cache, drafter=drafter, defaults=True))
+        # the one-liner, `generate(ids, assistant_model=drafter, cache_implementation=...)` alone, for each sparse
+        # cache the grid runs (budgeted when it runs neither)
+        if "oneliner" in args.methods:
+            caches = [c for c in ("budgeted", "sink_window") if c in args.methods] or ["budgeted"]
+            specs += [MethodSpec("assisted", c, drafter=drafter, defaults=True) for c in caches]
         for gamma in args.gammas:
             if "native" in args.methods:
                 specs.append(MethodSpec("assisted", "full", gamma=gamma, drafter=drafter))

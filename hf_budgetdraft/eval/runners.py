@@ -24,10 +24,8 @@ draft-side and target-side KV-cache bytes (`cache_nbytes` of the draft cache hel
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,20 +34,16 @@ from transformers.generation.streamers import BaseStreamer
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
-from ..generation.fast_path import draft_step_compile_config
+from ..generation.fast_path import draft_step_compile_config, using_attention
 from ..generation.spec import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
-AR_SETUPS = (
-    "stock",
-    "growable",
-    "fast",
-)  # plain-AR baselines besides the reference (see the module docstring)
+# plain-AR baselines besides the reference (see the module docstring)
+AR_SETUPS = ("stock", "growable", "fast")
 DRAFT_CACHES = ("none", "full", "sink_window", "budgeted")
-DEFAULT_SLACK = (
-    DraftSpec().slack
-)  # the sparse caches' default rollback slack: a larger γ needs a larger slack
+# the sparse caches' default rollback slack: a larger γ needs a larger slack
+DEFAULT_SLACK = DraftSpec().slack
 
 
 @dataclass(frozen=True)
@@ -247,13 +241,19 @@ def _timed_generate(
     return result
 
 
-def _configure_drafter(
-    drafter, gamma: int, compiled: bool = False, confidence_threshold: float = 0.0
+def configure_drafter(
+    drafter, gamma: int | None, compiled: bool = False, confidence_threshold: float = 0.0
 ) -> None:
     """A constant draft length γ per round (no heuristic schedule); `confidence_threshold` > 0 ends a round early
     once the draft's top token is less likely than that (so γ is the most a round drafts); `compiled`: the
-    drafter's one-token step is compiled (transformers' `CompileConfig`, read by `SparseDraftCandidateGenerator`)."""
+    drafter's one-token step is compiled (transformers' `CompileConfig`, read by `SparseDraftCandidateGenerator`).
+    `gamma=None` clears all of it, as a freshly loaded drafter has it: the call's own settings (a sparse cache's
+    `DraftSpec`, or transformers' defaults) decide."""
     config = drafter.generation_config
+    if gamma is None:
+        config.num_assistant_tokens = config.num_assistant_tokens_schedule = None
+        config.assistant_confidence_threshold = config.compile_config = None
+        return
     config.num_assistant_tokens = gamma
     config.num_assistant_tokens_schedule = "constant"
     config.assistant_confidence_threshold = confidence_threshold
@@ -290,19 +290,6 @@ def sparse_cache_config(
     return config
 
 
-@contextlib.contextmanager
-def _attention(model, implementation: str | None) -> Iterator[None]:
-    """Run `model` on `implementation` (None: as it is) inside the block, restored after."""
-    original = model.config._attn_implementation
-    if implementation is not None and implementation != original:
-        model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        if model.config._attn_implementation != original:
-            model.set_attn_implementation(original)
-
-
 def run_ar(
     target,
     input_ids: torch.LongTensor,
@@ -317,9 +304,9 @@ def run_ar(
     package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has)."""
     if setup in ("growable", "fast"):
         cache = GrowableCache(config=target.config, initial_capacity=input_ids.shape[1] + new_tokens)
-        with _attention(target, FAST_SDPA if setup == "fast" else None):
+        with using_attention(target, FAST_SDPA if setup == "fast" else None):
             return _timed_generate(target, input_ids, new_tokens, sampling, cache=cache)
-    with _attention(target, "sdpa" if setup == "stock" else None):
+    with using_attention(target, "sdpa" if setup == "stock" else None):
         return _timed_generate(target, input_ids, new_tokens, sampling)
 
 
@@ -340,12 +327,7 @@ def run_assisted(
     `compiled` (with `cache_config["static"]`) compiles the drafter's one-token step; `confidence_threshold` > 0
     stops a round's draft early on an unlikely token (γ is then the maximum). `gamma=None` with a sparse cache:
     the drafter's generation config is left alone and the call's `cache_config` (a `DraftSpec`) decides."""
-    if gamma is not None:
-        _configure_drafter(drafter, gamma, compiled, confidence_threshold)
-    else:  # what a user's freshly loaded drafter has: no draft-length settings of its own
-        config = drafter.generation_config
-        config.num_assistant_tokens = config.num_assistant_tokens_schedule = None
-        config.assistant_confidence_threshold = config.compile_config = None
+    configure_drafter(drafter, gamma, compiled, confidence_threshold)
     kwargs = {}
     if cache_implementation is not None:
         kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}

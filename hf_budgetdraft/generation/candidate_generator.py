@@ -114,10 +114,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
 
     # -- the draft loop ------------------------------------------------------------------------------------------
     def _forward(
-        self, feed: torch.LongTensor, past: int, mask: torch.Tensor | None, padded: bool
+        self, feed: torch.LongTensor, past: int, mask: torch.Tensor | None, padded: bool, prefill: bool
     ) -> torch.Tensor:
-        """Next-token logits `(1, V)` after feeding `feed` `(1, n)` at positions `past..past + n - 1`."""
-        prefill = self.draft_cache.get_seq_length() == 0
+        """Next-token logits `(1, V)` after feeding `feed` `(1, n)` at positions `past..past + n - 1`
+        (`prefill`: the draft cache was empty; the drafter's prefill is timed)."""
         one_token = feed.shape[1] == 1 and not padded
         forward = self._draft_step if one_token else self.assistant_model
         start = time.perf_counter() if prefill else 0.0
@@ -187,14 +187,15 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
         padded = mask is not None and not bool(mask.all())
-        # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled step
-        # would see as a new input layout (a recompile)
-        feed = ids[:, self.draft_cache.get_seq_length() :].clone(memory_format=torch.contiguous_format)
+        # (1, n_new): what the draft cache has not seen yet (its length read once a round: a device tensor on a
+        # static cache); a copy, not a strided view of ids, which a compiled step would see as a new input layout
+        feed = ids[:, int(self.draft_cache.get_seq_length()) :].clone(memory_format=torch.contiguous_format)
         scores = []
         for step in range(max_new):
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(1, ids.shape[1] - mask.shape[1])], dim=-1)
-            logits = self._forward(feed, ids.shape[1] - feed.shape[1], mask, padded)  # (1, V)
+            past = ids.shape[1] - feed.shape[1]
+            logits = self._forward(feed, past, mask, padded, prefill=past == 0)  # (1, V)
             # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list
             for processor in processors:
                 logits = processor(ids, logits)

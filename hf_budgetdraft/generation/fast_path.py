@@ -115,16 +115,25 @@ class DraftPlan:
     @contextlib.contextmanager
     def applied(self, target, drafter) -> Iterator[None]:
         """Set the plan's attention implementations on the two models; restore them on exit."""
-        restore = []
-        try:
-            for model, name in ((target, self.target_attention), (drafter, self.draft_attention)):
-                if name is not None and model.config._attn_implementation != name:
-                    restore.append((model, model.config._attn_implementation))
-                    model.set_attn_implementation(name)
+        with using_attention(target, self.target_attention), using_attention(drafter, self.draft_attention):
             yield
-        finally:
-            for model, name in reversed(restore):
-                model.set_attn_implementation(name)
+
+
+@contextlib.contextmanager
+def using_attention(model, implementation: str | None) -> Iterator[None]:
+    """Run `model` on attention `implementation` inside the block (`None`: as it is); restored on exit."""
+    original = model.config._attn_implementation
+    if implementation is None or implementation == original:
+        yield
+        return
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+
+
+_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 def _explicit(config: GenerationConfig, name: str, defaults: dict):
@@ -143,10 +152,7 @@ def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[
             {n: getattr(drafter.generation_config, n, None) for n in _LENGTH_FIELDS},
         ),
     )
-    threshold = next(
-        (s["assistant_confidence_threshold"] for _, s in sources if s["assistant_confidence_threshold"]), 0.0
-    )
-    threshold = float(threshold or 0.0)
+    threshold = float(next((t for _, s in sources if (t := s["assistant_confidence_threshold"])), 0.0))
     start = spec.max_draft_length
     if explicit_spec:
         return spec.draft_length, "cache_config", threshold, start
@@ -165,25 +171,21 @@ def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[
     return spec.draft_length, "default", threshold, start
 
 
-_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-
-
 def resolve_plan(
     spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig
 ) -> DraftPlan:
     """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config."""
-    attention = drafter.config._attn_implementation
+    can_be_static = supports_static_cache(drafter)
     static = spec.static
     if static == AUTO:
-        static = attention in SDPA_FAMILY and supports_static_cache(drafter)
-    if static and not supports_static_cache(drafter):
+        static = drafter.config._attn_implementation in SDPA_FAMILY and can_be_static
+    if static and not can_be_static:
         raise ValueError(
             f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
             f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
         )
-    asked = (
-        drafter.generation_config.compile_config
-    )  # an explicit compile config on the drafter means "compile"
+    # an explicit compile config on the drafter means "compile"
+    asked = drafter.generation_config.compile_config
     compile_config = asked or draft_step_compile_config(drafter.device)
     compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
     if compiled is True and not static:

@@ -17,16 +17,25 @@ The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
-DRAFT_CACHES = ("sink_window", "budgeted")
+from ..cache import BudgetedCache, SinkWindowCache
+
+CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
+DRAFT_CACHES = tuple(CACHE_CLASSES)
 AUTO = "auto"
 DRAFT_LENGTH_POLICIES = ("adaptive", "heuristic")
-# the cache classes' own window defaults: sink_window keeps a long window, budgeted a short one after the prefill
-_DEFAULT_WINDOW = {"sink_window": 1024, "budgeted": 256}
-_CACHE_OPTIONS = {
-    "sink_window": ("num_sink_tokens", "window_length", "slack", "static"),
-    "budgeted": ("budget", "policy", "window_length", "slack", "policy_kwargs", "static"),
+# each cache class's own arguments (besides its config) are its options; their defaults are the spec's
+_CACHE_PARAMETERS = {
+    name: [p for p in inspect.signature(cls.__init__).parameters.values() if p.name not in ("self", "config")]
+    for name, cls in CACHE_CLASSES.items()
+}
+_CACHE_OPTIONS = {name: tuple(p.name for p in params) for name, params in _CACHE_PARAMETERS.items()}
+# sink_window keeps a long window, budgeted a short one after the prefill
+_DEFAULT_WINDOW = {
+    name: next(p.default for p in params if p.name == "window_length")
+    for name, params in _CACHE_PARAMETERS.items()
 }
 _RUN_OPTIONS = ("compile", "draft_length", "max_draft_length", "fast_verify")
 MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
@@ -129,6 +138,12 @@ class DraftSpec:
         if options.get("policy_kwargs") is None:
             options.pop("policy_kwargs", None)
         return {**options, "static": static}
+
+    def build_cache(self, config, static: bool | None = None):
+        """The draft cache this spec describes for a model of `config`; `static=None` takes the spec's switch
+        (`"auto"`, unresolved, means dynamic)."""
+        static = self.static is True if static is None else static
+        return CACHE_CLASSES[self.cache](config=config, **self.cache_kwargs(static))
 
     def to_cache_config(self) -> dict:
         """The `cache_config` dict that `from_cache_config(self.cache, ...)` turns back into this spec (only the
