@@ -30,15 +30,16 @@ from transformers.generation.streamers import BaseStreamer
 from .. import demo as demo_package
 from ..cache.base import cache_nbytes
 from ..cache.policies import POLICIES
+from ..corpus import Document
 from ..demo.documents import demo_documents
-from ..eval.bench import quiet_transformers
 from ..eval.greedy_diff import divergence_margin, token_diff
 from ..eval.metrics import acceptance_intervals
 from ..eval.runners import configure_drafter
-from ..eval.tasks import Document, build_sample
+from ..eval.tasks import build_sample
 from ..generation.mtp import expose_mtp_layers
 from ..generation.spec import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
+from ..quiet import quiet_transformers
 from ..random_models import smoke_mtp_model, smoke_pair
 from .config import AppArguments
 

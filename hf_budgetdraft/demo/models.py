@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..eval.bench import quiet_transformers
 from ..generation.mtp import expose_mtp_layers
+from ..quiet import peft_wrapping, quiet_transformers
 
 DEMO_DIR = Path(__file__).resolve().parent
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,10 +72,11 @@ def load_demo_models(dtype: str | torch.dtype = "float32") -> DemoModels:
     with quiet_transformers():  # the target's MTP layer is "unexpected" to the main model: no load report
         target = expose_mtp_layers(_load(_folder("target"), dtype))
         base_drafter = _load(_folder("base_drafter"), dtype)
-        adapter = PeftModel.from_pretrained(
-            _load(_folder("base_drafter"), dtype),
-            _folder("drafter", marker="adapter_config.json"),
-            local_files_only=True,
-        )
+        with peft_wrapping():
+            adapter = PeftModel.from_pretrained(
+                _load(_folder("base_drafter"), dtype),
+                _folder("drafter", marker="adapter_config.json"),
+                local_files_only=True,
+            )
     drafter = adapter.merge_and_unload().eval()
     return DemoModels(tokenizer=tokenizer, target=target, base_drafter=base_drafter, drafter=drafter)

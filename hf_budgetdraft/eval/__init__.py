@@ -11,6 +11,7 @@ faster is it, where does the time go, and how much memory does it save (`hf-budg
 - `bench`: the interleaved grid and the `bench` command.
 """
 
+from ..corpus import Document, load_documents, stdlib_documents
 from .bench import BenchArguments, BenchModels, BenchResult, run_bench
 from .greedy_diff import TokenDiff, divergence_margin, noise_envelope, token_diff
 from .metrics import (
@@ -25,15 +26,12 @@ from .metrics import (
 from .runners import MethodSpec, RunResult, run_method
 from .tasks import (
     TASKS,
-    Document,
     TaskSample,
     build_sample,
     code_completion_sample,
     continuation_sample,
-    load_documents,
     needle_outside_window_sample,
     passkey_sample,
-    stdlib_documents,
 )
 
 __all__ = [

@@ -20,7 +20,6 @@ Every grid option (`--contexts`, `--budgets`, ...) overrides the preset's defaul
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -32,11 +31,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformers.utils import logging as hf_logging
 
 from ..attention.varlen import NAME as VARLEN_NAME
 from ..cache.base import MAX_CACHE_TOKENS
 from ..cache.policies import POLICIES
+from ..quiet import quiet_transformers
 from .greedy_diff import divergence_margin, noise_envelope, token_diff
 from .runners import AR_SETUPS, MethodSpec, RunResult, run_method, sparse_cache_config
 from .tasks import TASKS, Document, build_sample, load_documents, load_hub_documents, stdlib_documents
@@ -692,20 +691,6 @@ def envelope_rows(
     for row in rows:
         row.update(task=sample.task, sample=sample_index, context_length=context)
     return rows
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """No per-call "Loading weights" bars or load reports (MTP heads are reloaded inside every generate)."""
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _metadata(args: BenchArguments, models: BenchModels, specs: list[MethodSpec], corpus: str) -> dict:
