@@ -27,6 +27,7 @@ from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.models import DEMO_DIR
 
 CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def export_folder(source: Path, name: str) -> Path:
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--base-drafter", type=Path, required=True)
     parser.add_argument("--adapter", type=Path, required=True, help="the BudgetDraft LoRA adapter folder")
     parser.add_argument(
-        "--commands", type=Path, required=True, help="JSON: per model, its training commands/time"
+        "--commands", type=Path, required=True, help="JSON: per model, its card title, prose file, commands"
     )
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     parser.add_argument("--passkey-lengths", default="1024,2048,4096,8192,16384")
@@ -143,7 +144,9 @@ def main() -> None:
     for name, info in commands.items():
         metrics[name]["parameters"] = f"{parameters[name] / 1e6:.2f}M"
         metrics[name]["training time (2-core CPU)"] = info["training_time"]
-        body = info["description"] + "\n\n## Reproduce\n\n```bash\n" + "\n".join(info["commands"]) + "\n```\n"
+        # the card's prose lives in docs/model_cards/, the commands and training time in the JSON
+        description = (REPO / info["card"]).read_text(encoding="utf-8").strip()
+        body = description + "\n\n## Reproduce\n\n```bash\n" + "\n".join(info["commands"]) + "\n```\n"
         (DEMO_DIR / name / "README.md").write_text(card(info["title"], body, metrics[name]))
     total = sum(f.stat().st_size for f in DEMO_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
     print(f"bundle: {total / 1e6:.1f} MB; measured in {time.time() - started:.0f} s")
