@@ -3,6 +3,9 @@ held-out perplexity and passkey retrieval, and speculative greedy output token-i
 base drafter on a full cache, BudgetDraft drafter on sparse caches, and the target's MTP head native and windowed."""
 
 import math
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -43,6 +46,21 @@ def test_load_demo_models_offline(demo):
         load_demo_models(dtype="int4")
 
 
+def test_loading_warns_about_nothing():
+    """Loading the bundled models, the LoRA adapter included, raises no warning (peft's own read of a deprecated
+    transformers property is filtered where the adapter is wrapped, and only that one)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_demo_models()
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+
+
+def test_demo_imports_nothing_from_eval():
+    code = "import sys, hf_budgetdraft.demo; print(sorted(m for m in sys.modules if m.startswith('hf_budgetdraft.eval')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_target_models_held_out_text(demo):
     """The bundled target has learned English verse: on the held-out play its next-token perplexity is far below
     a uniform guess over the 2,048-token vocabulary (measured: see the target's model card)."""
@@ -53,7 +71,7 @@ def test_target_models_held_out_text(demo):
 
 
 def test_target_retrieves_passkeys(demo):
-    """Issue 4's short passkey check: 5-digit keys at random depth in 1,024-token prompts (classic haystack); the
+    """The short passkey check: 5-digit keys at random depth in 1,024-token prompts (classic haystack); the
     greedy answer must be exact."""
     hits = 0
     for seed in range(PASSKEY_PROMPTS):

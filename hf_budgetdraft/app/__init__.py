@@ -7,7 +7,8 @@ tokens/s and speed-up, acceptance per draft position, draft-cache bytes, and the
 check. The app holds no decoding logic: it calls `generate()` with the library's cache implementations.
 
 - `config`: `AppArguments`, the flags and the bounds on every visitor input (no Gradio import);
-- `backend`: models, prompts, the streamed AR-vs-speculative comparison (no Gradio);
+- `backend`: the request checks, models, prompts and the streamed AR-vs-speculative comparison, one module
+  per concern (no Gradio);
 - `render`: HTML / Markdown / matplotlib views of a comparison;
 - `app`: the Gradio page (`build_app`) and its event functions.
 """

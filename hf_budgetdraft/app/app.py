@@ -184,175 +184,187 @@ def build_app(args: AppArguments | None = None, store: ModelStore | None = None)
     """
     args = args or AppArguments()
     store = store or ModelStore(args)
-    model = default_model()
     with gr.Blocks(title="hf-budgetdraft demo", analytics_enabled=False) as blocks:
         gr.Markdown(INTRO)
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=320):
+                ui = _model_controls(args) | _context_controls(args)
                 with gr.Group():
-                    model_box = gr.Dropdown(
-                        model_choices(args.allow_local_models), value=model, label="Models", elem_id="model"
-                    )
-                    target_path = gr.Textbox(
-                        label="Target folder (on the server)",
-                        placeholder="/path/to/target (save_pretrained folder, safetensors)",
-                        visible=False,
-                        max_lines=1,
-                    )
-                    drafter_path = gr.Textbox(
-                        label="Drafter folder (empty for AR or MTP)",
-                        placeholder="/path/to/drafter",
-                        visible=False,
-                        max_lines=1,
-                    )
-                with gr.Group():
-                    source = gr.Radio(
-                        [(label, key) for key, label in SOURCE_LABELS.items()],
-                        value="document",
-                        label="Context",
-                        elem_id="source",
-                    )
-                    depth = gr.Slider(
-                        0.0, 1.0, value=0.5, step=0.05, label="Passkey depth (0 = start)", visible=False
-                    )
-                    text = gr.Textbox(
-                        label=f"Your text (≤ {args.max_text_chars:,} characters; its last tokens are the prompt)",
-                        lines=5,
-                        max_lines=12,
-                        max_length=args.max_text_chars,
-                        visible=False,
-                    )
-                    upload = gr.File(
-                        label=f"…or upload a text file (≤ {args.max_upload_bytes // 1024:,} KiB)",
-                        file_types=list(UPLOAD_SUFFIXES),
-                        type="filepath",
-                        visible=False,
-                    )
-                    context_length = gr.Slider(
-                        16,
-                        args.max_context_length,
-                        value=min(1024, args.max_context_length),
-                        step=16,
-                        label="Context length (prompt tokens)",
-                        elem_id="context-length",
-                    )
-                with gr.Group():
-                    method = gr.Dropdown(
-                        [(label, key) for key, label in METHOD_LABELS.items()],
-                        value=DEFAULT_SPEC.cache,
-                        label="Method",
-                        elem_id="method",
-                    )
-                    policy = gr.Dropdown(list(POLICY_NAMES), value=DEFAULT_SPEC.policy, label="Budget policy")
-                    budget = gr.Slider(
-                        1,
-                        args.max_budget,
-                        value=min(DEFAULT_SPEC.budget, args.max_budget),
-                        step=1,
-                        label="Budget B",
-                    )
-                    sink = gr.Slider(
-                        0,
-                        args.max_sink_tokens,
-                        value=min(DEFAULT_SPEC.num_sink_tokens, args.max_sink_tokens),
-                        step=1,
-                        label="Sink tokens S",
-                        visible=False,
-                    )
-                    window = gr.Slider(
-                        1,
-                        args.max_window_length,
-                        value=min(DEFAULT_SPEC.window_length, args.max_window_length),
-                        step=1,
-                        label="Window W (recent tokens the draft reads)",
-                    )
-                    gamma = gr.Slider(
-                        0,
-                        args.max_gamma,
-                        value=0,
-                        step=1,
-                        label="γ (draft tokens per round; 0 = adaptive, the default)",
-                    )
-                    max_new_tokens = gr.Slider(
-                        1,
-                        args.max_new_tokens,
-                        value=min(48, args.max_new_tokens),
-                        step=1,
-                        label="Max new tokens",
-                        elem_id="max-new-tokens",
-                    )
-                    with gr.Row():
-                        decoding = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding")
-                        temperature = gr.Slider(
-                            0.05, 5.0, value=1.0, step=0.05, label="Temperature", visible=False
-                        )
-                        seed = gr.Number(value=0, precision=0, minimum=0, label="Seed")
+                    ui |= _method_controls(args) | _decoding_controls(args)
                 with gr.Row():
-                    run_button = gr.Button("Run", variant="primary", elem_id="run")
-                    stop_button = gr.Button("Stop", variant="stop", elem_id="stop")
+                    ui["run_button"] = gr.Button("Run", variant="primary", elem_id="run")
+                    ui["stop_button"] = gr.Button("Stop", variant="stop", elem_id="stop")
             with gr.Column(scale=2, min_width=480):
-                status = gr.Markdown(
-                    "Choose the models, a context and a method, then press **Run**.", elem_id="status"
-                )
-                with gr.Row(equal_height=False):
-                    ar_output = gr.HTML(tokens_html(None, "Press Run."), elem_id="ar-output")
-                    spec_output = gr.HTML(tokens_html(None, "Press Run."), elem_id="spec-output")
-                verdict = gr.Markdown(elem_id="verdict")
-                stats = gr.Markdown(elem_id="stats")
-                plot = gr.Plot(
-                    label="Acceptance per draft position",
-                    show_label=False,
-                    format="png",
-                    elem_id="acceptance-plot",
-                )
-                with gr.Accordion("Prompt", open=False):
-                    prompt = gr.Markdown(elem_id="prompt")
-                with gr.Accordion("Raw numbers (JSON)", open=False):
-                    raw = gr.JSON(elem_id="raw")
-
-        def run(*values):
-            yield from run_event(store, args, *values)
-
-        inputs = [
-            model_box,
-            target_path,
-            drafter_path,
-            source,
-            text,
-            upload,
-            depth,
-            context_length,
-            method,
-            policy,
-            sink,
-            window,
-            budget,
-            gamma,
-            max_new_tokens,
-            decoding,
-            temperature,
-            seed,
-        ]
-        outputs = [status, prompt, ar_output, spec_output, verdict, stats, plot, raw]
-        assert len(inputs) == len(RUN_INPUTS) and len(outputs) == len(RUN_OUTPUTS)
-        run_dependency = run_button.click(
-            run, inputs, outputs, api_name="run", concurrency_limit=1, concurrency_id="generate"
-        )
-        stop_button.click(None, None, None, cancels=[run_dependency], api_visibility="private")
-        model_box.change(
-            on_model_change,
-            [model_box, method],
-            [target_path, drafter_path, method],
-            api_visibility="private",
-        )
-        source.change(on_source_change, source, [depth, text, upload], api_visibility="private")
-        method.change(
-            on_method_change, method, [policy, budget, sink, window, gamma], api_visibility="private"
-        )
-        decoding.change(on_decoding_change, decoding, temperature, api_visibility="private")
+                ui |= _output_panel()
+        _wire_events(ui, store, args)
     blocks.queue(default_concurrency_limit=1, max_size=args.queue_size)
     blocks.hf_budgetdraft_store = store  # for tests and for closing
     return blocks
+
+
+def _model_controls(args: AppArguments) -> dict:
+    """The model selector and the local folder boxes (shown for local models only)."""
+    with gr.Group():
+        return {
+            "model": gr.Dropdown(
+                model_choices(args.allow_local_models), value=default_model(), label="Models", elem_id="model"
+            ),
+            "target_path": gr.Textbox(
+                label="Target folder (on the server)",
+                placeholder="/path/to/target (save_pretrained folder, safetensors)",
+                visible=False,
+                max_lines=1,
+            ),
+            "drafter_path": gr.Textbox(
+                label="Drafter folder (empty for AR or MTP)",
+                placeholder="/path/to/drafter",
+                visible=False,
+                max_lines=1,
+            ),
+        }
+
+
+def _context_controls(args: AppArguments) -> dict:
+    """The context source, the passkey depth, the visitor's text or file, and the prompt length."""
+    with gr.Group():
+        return {
+            "source": gr.Radio(
+                [(label, key) for key, label in SOURCE_LABELS.items()],
+                value="document",
+                label="Context",
+                elem_id="source",
+            ),
+            "depth": gr.Slider(
+                0.0, 1.0, value=0.5, step=0.05, label="Passkey depth (0 = start)", visible=False
+            ),
+            "text": gr.Textbox(
+                label=f"Your text (≤ {args.max_text_chars:,} characters; its last tokens are the prompt)",
+                lines=5,
+                max_lines=12,
+                max_length=args.max_text_chars,
+                visible=False,
+            ),
+            "upload": gr.File(
+                label=f"…or upload a text file (≤ {args.max_upload_bytes // 1024:,} KiB)",
+                file_types=list(UPLOAD_SUFFIXES),
+                type="filepath",
+                visible=False,
+            ),
+            "context_length": gr.Slider(
+                16,
+                args.max_context_length,
+                value=min(1024, args.max_context_length),
+                step=16,
+                label="Context length (prompt tokens)",
+                elem_id="context-length",
+            ),
+        }
+
+
+def _method_controls(args: AppArguments) -> dict:
+    """The method and its draft-cache knobs (budgeted's policy and budget, the sink, the window, γ)."""
+    return {
+        "method": gr.Dropdown(
+            [(label, key) for key, label in METHOD_LABELS.items()],
+            value=DEFAULT_SPEC.cache,
+            label="Method",
+            elem_id="method",
+        ),
+        "policy": gr.Dropdown(list(POLICY_NAMES), value=DEFAULT_SPEC.policy, label="Budget policy"),
+        "budget": gr.Slider(
+            1, args.max_budget, value=min(DEFAULT_SPEC.budget, args.max_budget), step=1, label="Budget B"
+        ),
+        "num_sink_tokens": gr.Slider(
+            0,
+            args.max_sink_tokens,
+            value=min(DEFAULT_SPEC.num_sink_tokens, args.max_sink_tokens),
+            step=1,
+            label="Sink tokens S",
+            visible=False,
+        ),
+        "window_length": gr.Slider(
+            1,
+            args.max_window_length,
+            value=min(DEFAULT_SPEC.window_length, args.max_window_length),
+            step=1,
+            label="Window W (recent tokens the draft reads)",
+        ),
+        "gamma": gr.Slider(
+            0, args.max_gamma, value=0, step=1, label="γ (draft tokens per round; 0 = adaptive, the default)"
+        ),
+    }
+
+
+def _decoding_controls(args: AppArguments) -> dict:
+    """How many tokens each run makes, greedy or sampling (and its temperature), and the seed."""
+    controls = {
+        "max_new_tokens": gr.Slider(
+            1,
+            args.max_new_tokens,
+            value=min(48, args.max_new_tokens),
+            step=1,
+            label="Max new tokens",
+            elem_id="max-new-tokens",
+        )
+    }
+    with gr.Row():
+        controls["decoding"] = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding")
+        controls["temperature"] = gr.Slider(
+            0.05, 5.0, value=1.0, step=0.05, label="Temperature", visible=False
+        )
+        controls["seed"] = gr.Number(value=0, precision=0, minimum=0, label="Seed")
+    return controls
+
+
+def _output_panel() -> dict:
+    """The status line, the two output columns, the verdict, the stats, the plot, the prompt and the raw JSON."""
+    panel = {
+        "status": gr.Markdown(
+            "Choose the models, a context and a method, then press **Run**.", elem_id="status"
+        )
+    }
+    with gr.Row(equal_height=False):
+        panel["ar_output"] = gr.HTML(tokens_html(None, "Press Run."), elem_id="ar-output")
+        panel["spec_output"] = gr.HTML(tokens_html(None, "Press Run."), elem_id="spec-output")
+    panel["verdict"] = gr.Markdown(elem_id="verdict")
+    panel["stats"] = gr.Markdown(elem_id="stats")
+    panel["plot"] = gr.Plot(
+        label="Acceptance per draft position", show_label=False, format="png", elem_id="acceptance-plot"
+    )
+    with gr.Accordion("Prompt", open=False):
+        panel["prompt"] = gr.Markdown(elem_id="prompt")
+    with gr.Accordion("Raw numbers (JSON)", open=False):
+        panel["raw"] = gr.JSON(elem_id="raw")
+    return panel
+
+
+def _wire_events(ui: dict, store: ModelStore, args: AppArguments) -> None:
+    """Run and Stop, and the selectors that show or hide the knobs of what is chosen."""
+
+    def run(*values):
+        yield from run_event(store, args, *values)
+
+    run_dependency = ui["run_button"].click(
+        run,
+        [ui[name] for name in RUN_INPUTS],
+        [ui[name] for name in RUN_OUTPUTS],
+        api_name="run",
+        concurrency_limit=1,
+        concurrency_id="generate",
+    )
+    ui["stop_button"].click(None, None, None, cancels=[run_dependency], api_visibility="private")
+    ui["model"].change(
+        on_model_change,
+        [ui["model"], ui["method"]],
+        [ui["target_path"], ui["drafter_path"], ui["method"]],
+        api_visibility="private",
+    )
+    ui["source"].change(
+        on_source_change, ui["source"], [ui["depth"], ui["text"], ui["upload"]], api_visibility="private"
+    )
+    knobs = [ui[name] for name in ("policy", "budget", "num_sink_tokens", "window_length", "gamma")]
+    ui["method"].change(on_method_change, ui["method"], knobs, api_visibility="private")
+    ui["decoding"].change(on_decoding_change, ui["decoding"], ui["temperature"], api_visibility="private")
 
 
 def free_port() -> int:

@@ -1,0 +1,258 @@
+"""The models a visitor can pick, loaded once each: the bundled demo pair, the random smoke models, or local
+model folders (checked before loading: safetensors only, bounded size, a shared tokenizer and vocabulary)."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ... import demo as demo_package
+from ...demo.models import DEMO_DIR
+from ...generation.mtp import expose_mtp_layers
+from ...quiet import quiet_transformers
+from ...random_models import smoke_mtp_model, smoke_pair
+from ..config import AppArguments
+from .request import (
+    DRAFTER_METHODS,
+    MODEL_DEMO,
+    MODEL_DEMO_BASE,
+    MODEL_LABELS,
+    MODEL_LOCAL,
+    MODEL_SMOKE,
+    MODEL_SMOKE_MTP,
+    MTP_METHODS,
+    DemoInputError,
+)
+
+TOKENIZER_DIR = DEMO_DIR / "tokenizer"
+
+
+@dataclass
+class ModelPair:
+    """Loaded models of one choice.
+
+    Attributes:
+        key (`str`): what identifies it in the store.
+        title (`str`): how the page names it.
+        tokenizer: the shared tokenizer.
+        target (`PreTrainedModel`): verifies every token (full cache).
+        drafter (`PreTrainedModel`, *optional*): the draft model (`None`: AR and MTP methods only).
+        num_mtp_layers (`int`): the target's MTP depth (0: no MTP methods).
+        random_weights (`bool`): random models (they check losslessness and the page, not speed or quality).
+    """
+
+    key: str
+    title: str
+    tokenizer: object
+    target: torch.nn.Module
+    drafter: torch.nn.Module | None
+    num_mtp_layers: int = 0
+    random_weights: bool = False
+
+    def methods(self) -> list[str]:
+        """The methods these models can run."""
+        methods = ["ar"]
+        if self.drafter is not None:
+            methods += list(DRAFTER_METHODS)
+        if self.num_mtp_layers:
+            methods += list(MTP_METHODS)
+        return methods
+
+
+def _bundled_tokenizer():
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        raise DemoInputError(
+            f"the bundled tokenizer is missing from {TOKENIZER_DIR}; reinstall hf-budgetdraft"
+        )
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+def _num_mtp_layers(model) -> int:
+    return int(getattr(model.config.get_text_config(), "num_mtp_layers", None) or 0)
+
+
+def check_model_folder(path: str, role: str, max_bytes: int) -> Path:
+    """The folder of a local model, or a `DemoInputError` saying what is missing.
+
+    Args:
+        path (`str`): what the visitor typed (`~` is expanded).
+        role (`str`): `"target"` or `"drafter"`, for the message.
+        max_bytes (`int`): the most bytes of `.safetensors` weights the server accepts.
+    """
+    if not path or not path.strip():
+        raise DemoInputError(f"enter the {role} model folder (a directory written by save_pretrained())")
+    folder = Path(path.strip()).expanduser()
+    if not folder.is_dir():
+        raise DemoInputError(
+            f"{role} model folder {path.strip()!r} does not exist on the server (or is not a directory); give the "
+            "path of a folder written by save_pretrained() on this machine (hub names are not downloaded)"
+        )
+    if not (folder / "config.json").is_file():
+        raise DemoInputError(
+            f"{role} model folder {str(folder)!r} has no config.json; it must be a folder written by "
+            "model.save_pretrained()"
+        )
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise DemoInputError(
+            f"{role} model folder {str(folder)!r} has no .safetensors weights; this app loads only safetensors "
+            "(never pickled .bin files): re-save it with model.save_pretrained(path)"
+        )
+    size = sum(p.stat().st_size for p in weights)
+    if size > max_bytes:
+        raise DemoInputError(
+            f"{role} model {str(folder)!r} holds {size / 2**30:.1f} GiB of weights, more than this server's limit "
+            f"of {max_bytes / 2**30:.1f} GiB (--max_model_bytes)"
+        )
+    return folder
+
+
+def _load_model(folder: Path, role: str):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), use_safetensors=True, local_files_only=True, dtype=torch.float32
+        )
+    except Exception as error:  # noqa: BLE001 - transformers raises many types; the visitor gets one message
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise DemoInputError(
+            f"could not load the {role} from {str(folder)!r} as a causal LM ({type(error).__name__}: {first_line}). "
+            "Models that need trust_remote_code are not loaded by this app."
+        ) from None
+    return model.eval()
+
+
+def _local_tokenizers(target_folder: Path, drafter_folder: Path | None) -> tuple:
+    """`(target's tokenizer, drafter folder's own tokenizer or None)`, or a `DemoInputError`."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(target_folder), local_files_only=True)
+    except Exception as error:  # noqa: BLE001
+        raise DemoInputError(
+            f"the target folder {str(target_folder)!r} has no usable tokenizer ({type(error).__name__}); save "
+            "one next to the model with tokenizer.save_pretrained(path)"
+        ) from None
+    if drafter_folder is None or not any(
+        (drafter_folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return tokenizer, None
+    try:
+        return tokenizer, AutoTokenizer.from_pretrained(str(drafter_folder), local_files_only=True)
+    except Exception as error:  # noqa: BLE001
+        raise DemoInputError(
+            f"the drafter folder's tokenizer could not be loaded ({type(error).__name__}); remove it to use "
+            "the target's, or fix it"
+        ) from None
+
+
+def check_compatible(tokenizer, target, drafter, drafter_tokenizer=None) -> None:
+    """Refuse a drafter that does not share the target's tokenizer and vocabulary (`DemoInputError`).
+
+    Args:
+        tokenizer: the target's tokenizer.
+        target, drafter (`PreTrainedModel`): the pair.
+        drafter_tokenizer (*optional*): the drafter folder's own tokenizer, when it has one.
+    """
+    target_vocab = target.config.get_text_config().vocab_size
+    if len(tokenizer) > target_vocab:
+        raise DemoInputError(
+            f"the target's tokenizer has {len(tokenizer)} tokens but the target's vocabulary has only {target_vocab}; "
+            "the folder's tokenizer does not belong to its model"
+        )
+    if drafter is None:
+        return
+    draft_vocab = drafter.config.get_text_config().vocab_size
+    if draft_vocab != target_vocab:
+        raise DemoInputError(
+            f"incompatible models: the drafter's vocab_size={draft_vocab} differs from the target's {target_vocab}; "
+            "a drafter must share the target's tokenizer and vocabulary (speculative decoding compares token ids)"
+        )
+    if drafter_tokenizer is not None:
+        ours, theirs = tokenizer.get_vocab(), drafter_tokenizer.get_vocab()
+        if ours != theirs:
+            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+            raise DemoInputError(
+                f"incompatible tokenizers: the drafter's tokenizer ({len(theirs)} tokens) differs from the target's "
+                f"({len(ours)} tokens), e.g. {differing}; a drafter must share the target's tokenizer"
+            )
+
+
+class ModelStore:
+    """Loads each model choice once and keeps it (local folders: only the most recent pair, to bound memory).
+
+    Args:
+        limits (`AppArguments`): sizes the random smoke models and bounds local models.
+    """
+
+    def __init__(self, limits: AppArguments):
+        self.limits = limits
+        self._pairs: dict[str, ModelPair] = {}
+        self._lock = threading.Lock()
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def max_positions(self) -> int:
+        return self.limits.max_context_length + self.limits.max_new_tokens + self.limits.max_gamma + 8
+
+    def get(self, model: str, target_path: str = "", drafter_path: str = "") -> ModelPair:
+        """The `ModelPair` of a choice, loading it on first use (`DemoInputError` for bad folders)."""
+        key = model if model != MODEL_LOCAL else f"local:{target_path.strip()}|{drafter_path.strip()}"
+        with self._lock:
+            if key not in self._pairs:
+                if model == MODEL_LOCAL:  # one local pair at a time: a new one replaces the old
+                    for old in [k for k in self._pairs if k.startswith("local:")]:
+                        del self._pairs[old]
+                with quiet_transformers():
+                    self._pairs[key] = self._load(model, target_path, drafter_path, key)
+            return self._pairs[key]
+
+    def _load(self, model: str, target_path: str, drafter_path: str, key: str) -> ModelPair:
+        if model in (MODEL_DEMO, MODEL_DEMO_BASE):
+            return self._load_demo(model, key)
+        if model == MODEL_SMOKE:
+            target, drafter = smoke_pair(seed=0, max_position_embeddings=self.max_positions)
+            return ModelPair(key, MODEL_LABELS[model], _bundled_tokenizer(), target, drafter, 0, True)
+        if model == MODEL_SMOKE_MTP:
+            # transformers reads MTP weights from the checkpoint folder in every generate(): keep it for the app's life
+            self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="hf_budgetdraft_app_")
+            target = smoke_mtp_model(
+                Path(self._tmp.name) / "smoke_mtp", seed=0, max_position_embeddings=self.max_positions
+            )
+            return ModelPair(
+                key, MODEL_LABELS[model], _bundled_tokenizer(), target, None, _num_mtp_layers(target), True
+            )
+        return self._load_local(target_path, drafter_path, key)
+
+    def _load_demo(self, model: str, key: str) -> ModelPair:
+        demo = demo_package.load_demo_models()
+        drafter = demo.base_drafter if model == MODEL_DEMO_BASE else demo.drafter
+        if drafter is None:
+            raise DemoInputError("the bundled demo models have no base drafter; choose the trained one")
+        target = demo.target.eval()
+        return ModelPair(
+            key, MODEL_LABELS[model], demo.tokenizer, target, drafter.eval(), _num_mtp_layers(target)
+        )
+
+    def _load_local(self, target_path: str, drafter_path: str, key: str) -> ModelPair:
+        max_bytes = self.limits.max_model_bytes
+        target_folder = check_model_folder(target_path, "target", max_bytes)
+        drafter_folder = (
+            check_model_folder(drafter_path, "drafter", max_bytes) if drafter_path.strip() else None
+        )
+        tokenizer, drafter_tokenizer = _local_tokenizers(target_folder, drafter_folder)
+        target = _load_model(target_folder, "target")
+        drafter = _load_model(drafter_folder, "drafter") if drafter_folder is not None else None
+        check_compatible(tokenizer, target, drafter, drafter_tokenizer)
+        mtp = _num_mtp_layers(target)
+        if mtp:
+            expose_mtp_layers(target)
+        title = f"local: {target_folder}" + (f" + {drafter_folder}" if drafter_folder else "")
+        return ModelPair(key, title, tokenizer, target, drafter, mtp, False)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
