@@ -2,7 +2,8 @@
 checked token-for-token against the target's own greedy output); `train` (BudgetDraft training of a drafter
 against a frozen target, see `hf_budgetdraft.trainer`); `bench` (every decoding method on long-context tasks:
 greedy-diff losslessness, acceptance, speed-up, phase costs, memory; see `hf_budgetdraft.eval`); `demo` (the Gradio
-app on 127.0.0.1, see `hf_budgetdraft.app`)."""
+app on 127.0.0.1, see `hf_budgetdraft.app`); `export` (a drafter as a sliding-window HF checkpoint plus the vLLM /
+SGLang command line that serves it, see `hf_budgetdraft.export`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .cache.base import MAX_CACHE_TOKENS
 from .demo.documents import DEMO_TEXT
 from .eval.bench import BenchArguments, bench_command
 from .eval.runners import run_ar, run_assisted
+from .export import ExportArguments, export_command
 from .generation.spec import DraftSpec
 from .random_models import random_pair
 from .trainer.config import BudgetDraftConfig
@@ -444,6 +446,7 @@ COMMANDS = {
     "train": ((TrainScriptArguments, BudgetDraftConfig), train_command),
     "bench": (BenchArguments, bench_command),
     "demo": (AppArguments, demo_command),
+    "export": (ExportArguments, export_command),
 }
 
 
