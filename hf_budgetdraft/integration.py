@@ -39,6 +39,7 @@ from .attention.query_capture import register as register_query_capture
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
+from .generation.batched import drafting_on_full_cache, run_batched
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
 from .generation.fast_path import DraftPlan, resolve_plan
@@ -162,24 +163,33 @@ def _get_candidate_generator(
     return generator
 
 
-def _plan(target, assistant_model, generation_config) -> DraftPlan:
+def _plan(target, assistant_model, generation_config, batched: bool = False) -> DraftPlan:
     name, cache_config = generation_config.cache_implementation, generation_config.cache_config
     spec = DraftSpec.from_cache_config(name, cache_config)
-    return resolve_plan(spec, cache_config, target, assistant_model, generation_config)
+    return resolve_plan(spec, cache_config, target, assistant_model, generation_config, batched=batched)
 
 
 def _assisted_decoding(self, *args, **kwargs):
-    """Sparse-draft calls run inside their `DraftPlan`: attention set for the call, restored after."""
+    """Sparse-draft calls run inside their `DraftPlan`: attention set for the call, restored after. A batch of
+    more than one row runs the batched loop (`generation/batched.py`)."""
     generation_config = kwargs.get("generation_config")
     assistant_model = kwargs.get("assistant_model")
+    input_ids = args[0] if args else kwargs.get("input_ids")
     builtin_draft = generation_config is not None and (
         generation_config.use_mtp or generation_config.speculation_type == "dflash"
     )
-    if (
-        generation_config is None
-        or generation_config.cache_implementation not in SPARSE_CACHE_IMPLEMENTATIONS
-        or builtin_draft
-    ):
+    sparse = (
+        generation_config is not None
+        and generation_config.cache_implementation in SPARSE_CACHE_IMPLEMENTATIONS
+    )
+    if sparse and builtin_draft and input_ids is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"use_mtp=True / speculation_type='dflash' with cache_implementation="
+            f"{generation_config.cache_implementation!r} drafts one sequence at a time (transformers' MTP and DFlash "
+            f"loops are single-sequence); got a batch of {input_ids.shape[0]}. Generate the rows one by one, or draft "
+            "with assistant_model= (batched)"
+        )
+    if not sparse or builtin_draft:
         return _originals["_assisted_decoding"](self, *args, **kwargs)
     _check_assistant(
         self,
@@ -188,10 +198,15 @@ def _assisted_decoding(self, *args, **kwargs):
         kwargs.get("tokenizer"),
         kwargs.get("assistant_tokenizer"),
     )
-    plan = _plan(self, assistant_model, generation_config)
+    # a full-cache draft baseline (`full_draft_cache()`) always runs the batched loop, whatever the batch size
+    batched = input_ids is not None and (input_ids.shape[0] > 1 or drafting_on_full_cache())
+    plan = _plan(self, assistant_model, generation_config, batched=batched)
     stats = active_recorder()
     if stats is not None:
         stats.plan = plan
+    if batched:
+        with plan.applied(self, assistant_model):
+            return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
     token = _current_plan.set(plan)
     try:
         with plan.applied(self, assistant_model):

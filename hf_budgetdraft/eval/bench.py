@@ -218,6 +218,14 @@ class BenchArguments:
     bootstrap_draws: int = field(default=2000, metadata={"help": "Bootstrap resamples per interval."})
     plots: bool = field(default=True, metadata={"help": "Write the PNG plots (matplotlib)."})
     progress: bool = field(default=True, metadata={"help": "Progress bar (tqdm) over the runs."})
+    batch_sizes: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Run the batched grid instead: batched AR, the batched one-liner and a full-cache draft per "
+            "batch size and context (throughput of all rows, per-row latency); see docs/batched.md."
+        },
+    )
+    do_sample: bool = field(default=False, metadata={"help": "--batch_sizes: sample (temperature 0.8)."})
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -257,6 +265,10 @@ class BenchArguments:
                 raise ValueError(f"--{name} values must be in [{low}, {high}], got {bad}")
 
         bounded("contexts", self.contexts, 16, MAX_CACHE_TOKENS)
+        if self.batch_sizes is not None:
+            from ..generation.batched import MAX_BATCH_SIZE
+
+            bounded("batch_sizes", self.batch_sizes, 1, MAX_BATCH_SIZE)
         bounded("budgets", self.budgets, 1, MAX_CACHE_TOKENS)
         bounded("gammas", self.gammas, 1, MAX_GAMMA)
         bounded("new_tokens", [self.new_tokens], 1, MAX_NEW_TOKENS)
@@ -797,6 +809,10 @@ def run_bench(args: BenchArguments, models: BenchModels | None = None) -> BenchR
 
 def bench_command(args: BenchArguments) -> int:
     """`hf-budgetdraft bench`: exit 0 when every greedy-diff cell is 0, 1 otherwise, 2 when it cannot run."""
+    if args.batch_sizes:
+        from .batched import batched_bench_command
+
+        return batched_bench_command(args)
     try:
         result = run_bench(args)
     except FileNotFoundError as error:  # e.g. a broken install without the bundled demo weights

@@ -23,8 +23,13 @@ class DraftLength:
     def next_length(self) -> int:
         raise NotImplementedError
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """Record a finished round: `drafted` tokens proposed, `accepted` of them kept, its two phase times."""
+    def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
+        """Record a finished round: `drafted` tokens proposed, `accepted` of them kept (an int, or one per row of a
+        batched round), its two phase times."""
+
+
+def _per_row(accepted) -> list[int]:
+    return [int(accepted)] if isinstance(accepted, int) else [int(a) for a in accepted]
 
 
 @dataclass
@@ -49,10 +54,10 @@ class HeuristicDraftLength(DraftLength):
     def next_length(self) -> int:
         return self.length
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
         if drafted == 0:
             return
-        step = 2 if accepted == drafted else -1
+        step = 2 if min(_per_row(accepted)) == drafted else -1
         self.length = max(1, min(self.maximum, self.length + step))
 
 
@@ -182,16 +187,20 @@ class AdaptiveDraftLength(DraftLength):
             return max(range(1, len(rates)), key=rates.__getitem__)
         return best
 
-    def update(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
+        """`accepted`: an int, or one count per row of a batched round (the rows share the round's cost, so the
+        policy maximises the batch's tokens per second)."""
         self.rounds += 1
         self.ar_rounds_in_a_row = self.ar_rounds_in_a_row + 1 if drafted == 0 else 0
         if drafted:
+            rows = _per_row(accepted)
             for k in range(self.maximum):
                 self.accepted[k] *= self.decay
                 self.reached[k] *= self.decay
-            for k in range(min(drafted, accepted + 1)):  # positions 0..accepted were reached
-                self.reached[k] += 1.0
-                self.accepted[k] += 1.0 if k < accepted else 0.0
+            for kept in rows:
+                for k in range(min(drafted, kept + 1)):  # positions 0..kept were reached
+                    self.reached[k] += 1.0 / len(rows)
+                    self.accepted[k] += 1.0 / len(rows) if k < kept else 0.0
         if self.rounds == 1 or not (math.isfinite(verify_seconds) and verify_seconds > 0):
             return  # the first round holds the target's and the drafter's prefills
         if not drafted:

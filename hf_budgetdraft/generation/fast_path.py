@@ -172,9 +172,17 @@ def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[
 
 
 def resolve_plan(
-    spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig
+    spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig, batched: bool = False
 ) -> DraftPlan:
-    """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config."""
+    """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
+    several rows, whose draft caches are the ragged ones: never static, never compiled)."""
+    if batched:
+        if spec.static is True or spec.compile is True:
+            raise ValueError(
+                "static=True / compile=True are single-sequence fast paths; a batch drafts on ragged per-row caches. "
+                "Drop them from cache_config for batched calls"
+            )
+        spec = spec.replace(static=False, compile=False)
     can_be_static = supports_static_cache(drafter)
     static = spec.static
     if static == AUTO:

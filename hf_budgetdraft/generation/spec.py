@@ -21,6 +21,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from ..cache import BudgetedCache, SinkWindowCache
+from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 
 CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
 DRAFT_CACHES = tuple(CACHE_CLASSES)
@@ -144,6 +145,13 @@ class DraftSpec:
         (`"auto"`, unresolved, means dynamic)."""
         static = self.static is True if static is None else static
         return CACHE_CLASSES[self.cache](config=config, **self.cache_kwargs(static))
+
+    def build_ragged_cache(self, config, batch_size: int, capacity: int):
+        """The batched (one length per row) form of this spec's draft cache, for `batch_size` rows."""
+        options = self.cache_kwargs(static=False)
+        options.pop("static")
+        cls = RaggedBudgetedCache if self.cache == "budgeted" else RaggedSinkWindowCache
+        return cls(config=config, batch_size=batch_size, capacity=capacity, **options)
 
     def to_cache_config(self) -> dict:
         """The `cache_config` dict that `from_cache_config(self.cache, ...)` turns back into this spec (only the

@@ -15,9 +15,11 @@ import torch
 class SpeculationStats:
     """What happened in each draft/verify round of one or more `generate()` calls.
 
-    `mean_accepted_length` = tokens emitted per verification round (accepted draft tokens + the target's own
-    token), as EAGLE/SGLang report "accept length"; `acceptance_rate` = accepted / proposed draft tokens, as
-    BudgetDraft reports it.
+    `mean_accepted_length` = tokens emitted per verification round and sequence (accepted draft tokens + the
+    target's own token), as EAGLE/SGLang report "accept length"; `acceptance_rate` = accepted / proposed draft
+    tokens, as BudgetDraft reports it. A batched call records one round per batch round (`rows_per_round` rows in
+    it, counts summed over them) and one `SpeculationStats` per input row in `rows` (its rounds, with the batch
+    round's timings, and `latency_seconds`: from the call's start to the row's last token).
     """
 
     proposed_per_round: list[int] = field(default_factory=list)
@@ -31,12 +33,41 @@ class SpeculationStats:
     # the candidate generator of the most recent recorded call (only the latest is kept, so a long recording
     # session does not hold every call's draft cache alive); read its cache with `draft_cache`
     candidate_generator: object | None = field(default=None, repr=False, compare=False)
+    rows_per_round: list[int] = field(default_factory=list)
+    rows: list[SpeculationStats] = field(default_factory=list, repr=False)
+    latency_seconds: float | None = None
 
-    def add_round(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def add_round(
+        self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float, rows: int = 1
+    ) -> None:
         self.proposed_per_round.append(proposed)
         self.accepted_per_round.append(accepted)
         self.draft_seconds_per_round.append(draft_seconds)
         self.verify_seconds_per_round.append(verify_seconds)
+        self.rows_per_round.append(rows)
+
+    def begin_batch(self, batch_size: int, target_prefill: float, draft_prefill: float) -> None:
+        """A batched call starts: its prefill round (every row's first token) and one `SpeculationStats` per row."""
+        self._batch_start = time.perf_counter() - target_prefill - draft_prefill
+        self._batch_rows = [SpeculationStats() for _ in range(batch_size)]
+        self.rows.extend(self._batch_rows)
+        self.draft_prefill_seconds += draft_prefill
+        self.add_round(0, 0, draft_prefill, target_prefill, rows=batch_size)
+        for row in self._batch_rows:
+            row.add_round(0, 0, draft_prefill, target_prefill)
+
+    def add_batch_round(
+        self, rows: list[int], drafted: int, accepted: list[int], draft: float, verify: float
+    ) -> None:
+        """A batch round over the input rows `rows`, each drafting `drafted` and keeping `accepted[i]`."""
+        self.add_round(drafted * len(rows), sum(accepted), draft, verify, rows=len(rows))
+        for row, kept in zip(rows, accepted, strict=True):
+            self._batch_rows[row].add_round(drafted, kept, draft, verify)
+
+    def finish_rows(self, rows: list[int]) -> None:
+        """The input rows `rows` emitted their last token now."""
+        for row in rows:
+            self._batch_rows[row].latency_seconds = time.perf_counter() - self._batch_start
 
     @property
     def rounds(self) -> int:
@@ -44,7 +75,8 @@ class SpeculationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return (sum(self.accepted_per_round) + self.rounds) / self.rounds if self.rounds else 0.0
+        sequences = sum(self.rows_per_round)
+        return (sum(self.accepted_per_round) + sequences) / sequences if sequences else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -102,22 +134,24 @@ class SpeculationStats:
 
     def acceptance_per_position(self) -> list[tuple[int, int]]:
         """`(accepted, reached)` per draft position k: of the rounds whose draft reached position k (all
-        earlier drafts accepted), how many accepted draft token k too. Conditional acceptance = ratio."""
+        earlier drafts accepted), how many accepted draft token k too (a batched round: per row). Conditional
+        acceptance = ratio."""
+        if self.rows:
+            per_row = [row.acceptance_per_position() for row in self.rows]
+            depth = max((len(c) for c in per_row), default=0)
+            return [
+                (
+                    sum(c[k][0] for c in per_row if len(c) > k),
+                    sum(c[k][1] for c in per_row if len(c) > k),
+                )
+                for k in range(depth)
+            ]
+        rounds = list(zip(self.proposed_per_round, self.accepted_per_round, strict=True))
         depth = max(self.proposed_per_round, default=0)
-        counts = []
-        for k in range(depth):
-            reached = sum(
-                1
-                for p, a in zip(self.proposed_per_round, self.accepted_per_round, strict=True)
-                if p > k and a >= k
-            )
-            accepted = sum(
-                1
-                for p, a in zip(self.proposed_per_round, self.accepted_per_round, strict=True)
-                if p > k and a > k
-            )
-            counts.append((accepted, reached))
-        return counts
+        return [
+            (sum(1 for p, a in rounds if p > k and a > k), sum(1 for p, a in rounds if p > k and a >= k))
+            for k in range(depth)
+        ]
 
 
 _active: ContextVar[SpeculationStats | None] = ContextVar("budgetdraft_speculation_stats", default=None)

@@ -1,0 +1,65 @@
+"""Which drafted tokens a verification keeps, for every row of a batch at once.
+
+Greedy: a row keeps its drafts up to the first one the target's argmax disagrees with, then the target's own token.
+Sampling: speculative sampling (Leviathan et al., arXiv 2211.17192, Algorithm 1) per row: draft token k is kept with
+probability `min(1, p_k(x) / q_k(x))`; the first rejected position is resampled from `norm(max(0, p - q))`, and a
+row whose drafts were all kept draws its next token from `p`. Either way each row's output follows the target
+exactly (greedy: its argmax; sampling: its distribution).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept(
+    drafts: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`drafts (B, γ)`, processed target logits `(B, γ + 1, V)`, `limits (B,)` (drafts a row may keep) ->
+    `(kept (B,), next_token (B,))`: kept drafts per row and the target's token after them."""
+    choice = target_logits.argmax(-1)  # (B, γ + 1)
+    agree = drafts == choice[:, : drafts.shape[1]]
+    kept = torch.minimum(agree.long().cumprod(-1).sum(-1), limits)
+    return kept, choice.gather(1, kept[:, None])[:, 0]
+
+
+def speculative_accept(
+    drafts: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    limits: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling per row.
+
+    Args:
+        drafts (`torch.LongTensor` of shape `(B, γ)`): the drafted tokens.
+        draft_logits (`torch.Tensor` of shape `(B, γ, V)`): the processed logits the drafts were sampled from.
+        target_logits (`torch.Tensor` of shape `(B, γ + 1, V)`): the target's processed logits.
+        limits (`torch.LongTensor` of shape `(B,)`): drafts each row may keep (a row's draft ended early).
+
+    Returns:
+        `(kept (B,), next_token (B,))`.
+    """
+    gamma = drafts.shape[1]
+    p = target_logits.float().softmax(-1)  # (B, γ + 1, V)
+    q = draft_logits.float().softmax(-1)  # (B, γ, V)
+    p_draft = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]
+    uniform = torch.rand(p_draft.shape, device=p.device, generator=generator)
+    accepted = uniform <= p_draft / q_draft
+    positions = torch.arange(gamma, device=p.device)[None]
+    accepted &= positions < limits[:, None]
+    kept = accepted.long().cumprod(-1).sum(-1)  # (B,)
+    rows = torch.arange(drafts.shape[0], device=p.device)
+    target_next = p[rows, kept]  # (B, V): the target's distribution after the kept drafts
+    rejected = kept < limits
+    residual = torch.zeros_like(target_next)
+    if bool(rejected.any()):
+        at = kept.clamp(max=gamma - 1)
+        residual = (target_next - q[rows, at]).clamp(min=0)
+        mass = residual.sum(-1, keepdim=True)
+        # p == q at a rejected position has probability 0; fall back to p so the draw stays defined
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target_next)
+    distribution = torch.where(rejected[:, None], residual, target_next)
+    return kept, torch.multinomial(distribution, 1, generator=generator)[:, 0]

@@ -1,0 +1,396 @@
+"""Batched speculative decoding: every row of a left-padded batch drafts on its own rows of a sparse draft cache and
+advances by its own accepted count each round (ragged acceptance; no row waits for the slowest).
+
+`target.generate(batch, attention_mask=mask, assistant_model=drafter, cache_implementation=...)` with more than
+one row lands here (transformers' assisted generation is single-sequence). A round, gpt-fast style:
+
+1. draft γ tokens for all rows: one forward feeds each row what its draft cache has not seen (ragged counts, at
+   most `slack` a forward), then γ - 1 one-token steps;
+2. the target verifies `[last token, γ drafts]` of every row in one `(B, γ + 1)` forward on its ragged full cache;
+3. each row keeps its agreeing drafts plus the target's next token (greedy), or what speculative sampling accepts;
+   stopping criteria end rows; both caches roll each row back by what it rejected (`crop_rows`);
+4. finished rows leave the batch (their cache rows are dropped), so they cost nothing after.
+
+γ comes from the call's `DraftLength` policy, fed every row's acceptance (γ = 0: a batched AR step). Rows are
+prefilled one at a time without their padding, so a row's outputs are computed from exactly its own tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..attention.query_capture import query_capture
+from ..cache.ragged import RaggedCache
+from ..cache.ragged_sparse import RaggedBudgetedCache
+from .acceptance import greedy_accept, speculative_accept
+from .candidate_generator import make_draft_length
+from .draft_length import DraftLength
+from .fast_path import DraftPlan
+from .stats import active_recorder
+
+MAX_BATCH_SIZE = 256
+_full_draft: ContextVar[bool] = ContextVar("budgetdraft_full_draft_cache", default=False)
+# processors that read only the scores, so a batch of positions goes through them in one call
+_SCORE_ONLY = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+
+
+def left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """`(B,)` padding tokens per row of a left-padded `(B, P)` mask; anything else is refused."""
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; pass the "
+            "tokenizer's mask of the same batch"
+        )
+    mask = attention_mask.bool()
+    if not bool(mask[:, -1].all()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "batched speculative decoding needs left padding (each row: zeros, then ones, ending in a token); got a "
+            "mask with padding on the right or inside a row. Tokenize with tokenizer.padding_side = 'left'"
+        )
+    return (~mask).sum(-1)
+
+
+class BatchedSpeculation:
+    """One batched speculative `generate()` call (see the module docstring)."""
+
+    def __init__(
+        self, target, drafter, plan: DraftPlan, generation_config, logits_processor, stopping_criteria
+    ):
+        self.target, self.drafter, self.plan = target, drafter, plan
+        self.config = generation_config
+        self.processors = list(logits_processor or [])
+        self.criteria = list(stopping_criteria or [])
+        self.sample = bool(generation_config.do_sample)
+        self.slack = plan.spec.slack
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _setup(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        batch, width = input_ids.shape
+        if batch > MAX_BATCH_SIZE:
+            raise ValueError(f"batch of {batch} rows exceeds the bound of {MAX_BATCH_SIZE}; split it")
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        self.prompt = input_ids  # (B, P), left-padded: what stock generate()'s processors see
+        self.pads = left_padding(mask, input_ids)
+        self.prompt_lengths = width - self.pads
+        self.max_new = self.config.max_length - width
+        capacity = int(self.prompt_lengths.max()) + self.max_new + self.slack + 1
+        self.tokens = input_ids.new_zeros(batch, capacity)  # (B, capacity): each row's tokens, no padding
+        for row in range(batch):
+            self.tokens[row, : self.prompt_lengths[row]] = input_ids[row, self.pads[row] :]
+        self.generated = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+        self.rows = torch.arange(batch, device=input_ids.device)  # original index of each active row
+        self.target_cache = RaggedCache(self.target.config, batch, capacity)
+        if _full_draft.get():
+            self.draft_cache = RaggedCache(self.drafter.config, batch, capacity)
+        else:
+            self.draft_cache = self.plan.spec.build_ragged_cache(self.drafter.config, batch, capacity)
+
+    # -- forwards ------------------------------------------------------------------------------------------------
+    def _prefill(self, model, cache: RaggedCache, capture: bool = False) -> torch.Tensor:
+        """Prefill every row on its own; `(B, V)` logits after each row's prompt."""
+        logits = []
+        for row in range(self.rows.shape[0]):
+            length = int(self.prompt_lengths[row])
+            cache.prefill_row(row, length, self.prompt.device)
+            ids = self.tokens[row : row + 1, :length]
+            with query_capture(model) if capture else contextlib.nullcontext():
+                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[0, -1].float())
+        return torch.stack(logits)
+
+    def _step(self, model, cache: RaggedCache, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed `(B, q)` tokens at each row's own next positions; `(B, q, V)` float logits."""
+        positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        mask = cache.step_mask(tokens.shape[1], model.dtype)
+        out = model(
+            input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        return out.logits.float()
+
+    def _row_ids(self, index: int, extra: torch.Tensor) -> torch.Tensor:
+        """`(1, L)`: active row `index` as stock generate() sees it (padded prompt + its tokens + `extra`)."""
+        row = int(self.rows[index])
+        start = int(self.prompt_lengths[row])
+        new = self.tokens[row, start : start + int(self.generated[row])]
+        return torch.cat([self.prompt[row], new, extra])[None]
+
+    def _process(self, logits: torch.Tensor, drafts: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Apply the call's logits processors, in order, to `(B, n, V)` logits; position k follows
+        `drafts[:, : first + k]`. Length rules and score-only warpers run on the whole batch, anything else row by
+        row on the ids stock `generate()` would pass it."""
+        if not self.processors:
+            return logits
+        batch, n, vocab = logits.shape
+        # the ids length stock generate() has at each position: padded prompt + new tokens so far
+        offsets = torch.arange(n, device=self.generated.device)[None]
+        lengths = self.prompt.shape[1] + self.generated[self.rows][:, None] + first + offsets
+        out = logits
+        for processor in self.processors:
+            if isinstance(processor, (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor)):
+                out = _suppress_eos(out, processor, lengths)
+            elif isinstance(processor, _SCORE_ONLY):
+                out = processor(drafts.new_zeros(batch * n, 1), out.reshape(batch * n, vocab)).reshape(
+                    batch, n, vocab
+                )
+            else:
+                out = self._per_row(processor, out, drafts, first)
+        return out
+
+    def _per_row(self, processor, logits: torch.Tensor, drafts: torch.Tensor, first: int) -> torch.Tensor:
+        out = logits.clone()
+        for b in range(logits.shape[0]):
+            for k in range(logits.shape[1]):
+                out[b, k] = processor(self._row_ids(b, drafts[b, : first + k]), logits[b, k][None])[0]
+        return out
+
+    # -- a round -------------------------------------------------------------------------------------------------
+    def _catch_up_draft(self) -> torch.Tensor:
+        """Feed every row what its draft cache has not seen, at most `slack` tokens a forward; `(B, V)` logits."""
+        totals = self.prompt_lengths[self.rows] + self.generated[self.rows]
+        logits = None
+        while True:
+            seen = self.draft_cache.lengths
+            pending = totals - seen  # (B,)
+            if not bool((pending > 0).any()):
+                return logits
+            width = min(int(pending.max()), self.slack)
+            positions = (seen[:, None] + torch.arange(width, device=seen.device)).clamp(
+                max=self.tokens.shape[1] - 1
+            )
+            feed = self.tokens[self.rows[:, None], positions]  # (B, w); past a row's count: ignored filler
+            step = self._step(self.drafter, self.draft_cache, feed)
+            count = pending.clamp(max=width)
+            last = step[torch.arange(feed.shape[0]), (count - 1).clamp(min=0)]
+            logits = last if logits is None else torch.where((count > 0)[:, None], last, logits)
+            self.draft_cache.crop_rows(width - count)
+
+    def _draft(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(drafts (B, γ), processed draft logits (B, γ, V), limits (B,))`; a row's limit is where its draft
+        confidence fell below the plan's threshold (γ without one)."""
+        logits = self._catch_up_draft()
+        drafts, scores = [], []
+        limits = torch.full((self.rows.shape[0],), gamma, dtype=torch.long, device=logits.device)
+        threshold = self.plan.confidence_threshold
+        for k in range(gamma):
+            processed = self._process(logits[:, None], _stack(drafts, logits), first=k)[:, 0]  # (B, V)
+            probs = processed.softmax(-1) if self.sample or threshold else None
+            token = torch.multinomial(probs, 1)[:, 0] if self.sample else processed.argmax(-1)
+            if threshold:
+                unsure = probs.gather(-1, token[:, None])[:, 0] < threshold
+                limits = torch.where(unsure & (limits == gamma), k + 1, limits)
+            drafts.append(token)
+            scores.append(processed)
+            if k + 1 < gamma:
+                logits = self._step(self.drafter, self.draft_cache, token[:, None])[:, 0]
+        return torch.stack(drafts, 1), torch.stack(scores, 1), limits
+
+    def _last_tokens(self) -> torch.Tensor:
+        """`(B,)`: each active row's newest token (not yet in the target's cache)."""
+        index = self.prompt_lengths[self.rows] + self.generated[self.rows] - 1
+        return self.tokens[self.rows, index]
+
+    def _verify(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft and verify one round: `(kept (B,), new tokens (B, γ + 1), draft logits or None)`; row b's new
+        tokens are `new[b, : kept[b] + 1]`."""
+        batch = self.rows.shape[0]
+        if gamma:
+            drafts, draft_logits, limits = self._draft(gamma)
+        else:
+            drafts = self.tokens.new_zeros(batch, 0)
+            draft_logits, limits = None, torch.zeros(batch, dtype=torch.long, device=self.tokens.device)
+        self._round_draft_end = time.perf_counter()
+        fed = torch.cat([self._last_tokens()[:, None], drafts], 1)
+        logits = self._process(self._step(self.target, self.target_cache, fed), drafts)
+        if self.sample and gamma:
+            kept, bonus = speculative_accept(drafts, draft_logits, logits, limits)
+        elif self.sample:
+            kept, bonus = limits, torch.multinomial(logits[:, 0].softmax(-1), 1)[:, 0]
+        else:
+            kept, bonus = greedy_accept(drafts, logits, limits)
+        new = torch.cat([drafts, bonus[:, None]], 1)
+        new.scatter_(1, kept[:, None], bonus[:, None])
+        self.target_cache.crop_rows(gamma - kept)
+        if gamma:
+            self.draft_cache.crop_rows((gamma - 1) - kept.clamp(max=gamma - 1))
+        return kept, new, draft_logits
+
+    def _emit(self, kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Append each row's new tokens, cut by the stopping criteria; `(B,)` bool: rows that finished."""
+        counts = kept + 1
+        room = self.max_new - self.generated[self.rows]
+        finished = counts >= room
+        counts = torch.minimum(counts, room)
+        eos = getattr(self.config, "_eos_token_tensor", None)
+        if eos is not None:
+            is_eos = torch.isin(new, eos.to(new.device)) & (
+                torch.arange(new.shape[1], device=new.device)[None] < counts[:, None]
+            )
+            first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, counts)
+            finished |= is_eos.any(-1)
+            counts = torch.minimum(counts, first)
+        others = [c for c in self.criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        for b in range(new.shape[0]):
+            row, count = int(self.rows[b]), int(counts[b])
+            start = int(self.prompt_lengths[row] + self.generated[row])
+            self.tokens[row, start : start + count] = new[b, :count]
+            for k in range(1, count + 1) if others else ():
+                if self._stops(b, row, start + k, others):
+                    counts[b], finished[b] = k, True
+                    break
+            self.generated[row] += int(counts[b])
+        return finished
+
+    def _stops(self, index: int, row: int, end: int, criteria) -> bool:
+        start = int(self.prompt_lengths[row])
+        ids = torch.cat([self.prompt[row], self.tokens[row, start:end]])[None]
+        return any(bool(c(ids, None).any()) for c in criteria)
+
+    def _drop(self, finished: torch.Tensor) -> None:
+        keep = (~finished).nonzero()[:, 0]
+        self.rows = self.rows[keep]
+        self.target_cache.keep_rows(keep)
+        self.draft_cache.keep_rows(keep)
+
+    # -- the call ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, input_ids, attention_mask, draft_length: DraftLength, stats=None) -> torch.LongTensor:
+        """Generate for every row; `(B, P + n)` sequences, rows that stopped early padded with `pad_token_id`."""
+        self._setup(input_ids, attention_mask)
+        self.draft_length = draft_length
+        if stats is not None:
+            stats.candidate_generator = self
+        start = time.perf_counter()
+        first = self._process(self._prefill(self.target, self.target_cache)[:, None], input_ids[:, :0])[:, 0]
+        first = torch.multinomial(first.softmax(-1), 1)[:, 0] if self.sample else first.argmax(-1)
+        capture = isinstance(self.draft_cache, RaggedBudgetedCache) and self.draft_cache.policy.needs_queries
+        prefill_end = time.perf_counter()
+        self._prefill(self.drafter, self.draft_cache, capture=capture)
+        draft_prefill = time.perf_counter() - prefill_end
+        self.cache_bytes = {"target": self.target_cache.nbytes(), "draft": self.draft_cache.nbytes()}
+        finished = self._emit(torch.zeros_like(first), first[:, None])
+        if stats is not None:
+            stats.begin_batch(input_ids.shape[0], prefill_end - start, draft_prefill)
+            stats.finish_rows(self.rows[finished].tolist())
+        self._drop(finished)
+        while self.rows.numel():
+            gamma = draft_length.next_length()
+            begin = time.perf_counter()
+            kept, new, _ = self._verify(gamma)
+            rows = self.rows.tolist()
+            finished = self._emit(kept, new)
+            end = time.perf_counter()
+            draft, verify = self._round_draft_end - begin, end - self._round_draft_end
+            draft_length.update(gamma, kept.tolist() if gamma else [0] * len(rows), draft, verify)
+            if stats is not None:
+                stats.add_batch_round(rows, gamma, kept.tolist(), draft, verify)
+                stats.finish_rows(self.rows[finished].tolist())
+            self._drop(finished)
+        return self._sequences()
+
+    def _sequences(self) -> torch.LongTensor:
+        pad = self.config._pad_token_tensor
+        pad = 0 if pad is None else int(pad)
+        width = self.prompt.shape[1] + int(self.generated.max())
+        out = self.prompt.new_full((self.prompt.shape[0], width), pad)
+        out[:, : self.prompt.shape[1]] = self.prompt
+        for row in range(self.prompt.shape[0]):
+            start, count = int(self.prompt_lengths[row]), int(self.generated[row])
+            out[row, self.prompt.shape[1] : self.prompt.shape[1] + count] = self.tokens[
+                row, start : start + count
+            ]
+        return out
+
+
+@contextlib.contextmanager
+def full_draft_cache() -> Iterator[None]:
+    """Inside the block, batched calls draft on a full ragged cache instead of the sparse one the call names: the
+    same drafter and loop reading every past token (the baseline a sparse draft is measured against)."""
+    token = _full_draft.set(True)
+    try:
+        yield
+    finally:
+        _full_draft.reset(token)
+
+
+def drafting_on_full_cache() -> bool:
+    return _full_draft.get()
+
+
+def _suppress_eos(logits: torch.Tensor, processor, lengths: torch.Tensor) -> torch.Tensor:
+    """`min_new_tokens` / `min_length` for a batch: EOS impossible where a row is still too short."""
+    if isinstance(processor, MinNewTokensLengthLogitsProcessor):
+        short = lengths - processor.prompt_length_to_skip < processor.min_new_tokens
+    else:
+        short = lengths < processor.min_length
+    eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    eos[processor.eos_token_id.to(logits.device)] = True
+    return logits.masked_fill(short.to(logits.device)[..., None] & eos, -float("inf"))
+
+
+def _stack(drafts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not drafts:
+        return torch.zeros(like.shape[0], 0, dtype=torch.long, device=like.device)
+    return torch.stack(drafts, 1)
+
+
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, kwargs: dict):
+    """`_assisted_decoding` for a batch: check what the batched loop supports, run it, shape the result."""
+    asked = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
+    if asked:
+        raise ValueError(
+            f"{asked} are not returned by batched speculative decoding (its rounds emit ragged tokens per row); "
+            "drop them, or generate one sequence at a time"
+        )
+    if kwargs.get("streamer") is not None:
+        raise ValueError(
+            "a streamer takes one sequence; batched speculative decoding has several rows. Drop streamer="
+        )
+    if target.config.is_encoder_decoder:
+        raise ValueError("batched speculative decoding supports decoder-only targets")
+    speculation = BatchedSpeculation(
+        target,
+        drafter,
+        plan,
+        generation_config,
+        kwargs.get("logits_processor"),
+        kwargs.get("stopping_criteria"),
+    )
+    sequences = speculation.run(
+        input_ids, kwargs.get("attention_mask"), make_draft_length(plan), stats=active_recorder()
+    )
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences

@@ -1,0 +1,260 @@
+"""Batched speculative decoding: left-padded batches of ragged prompts, every row token-identical to the target's
+own greedy `generate()` of the same padded batch and to the row generated alone; per-row rollback of the ragged
+caches against independent single-row caches; sampling keeps each row's distribution; bad input is refused."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_sampling import chi_square, chi_square_quantile, warped
+from tiny_models import FAMILIES, model_pair, random_prompt, supports
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from hf_budgetdraft import BudgetedCache, SinkWindowCache, record_speculation
+from hf_budgetdraft.cache.ragged import RaggedCache
+from hf_budgetdraft.cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from hf_budgetdraft.generation.batched import MAX_BATCH_SIZE, left_padding
+
+CACHES = {
+    "sink_window": {"num_sink_tokens": 4, "window_length": 24},
+    "budgeted": {"budget": 32, "window_length": 16},
+}
+NEW_TOKENS = 20
+
+
+def padded_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`(ids (B, P), mask (B, P), rows)`: random prompts of `lengths`, left-padded with token 0."""
+    rows = [random_prompt(n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return ids, mask, rows
+
+
+def greedy(model, ids, mask, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs
+    )
+
+
+LENGTHS = {2: [120, 70], 3: [130, 60, 100], 5: [110, 50, 120, 80, 65]}
+
+
+@pytest.mark.parametrize("batch", sorted(LENGTHS))
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_greedy_equals_target_batch(family, cache, batch):
+    implementation = "sdpa" if supports(family, "sdpa") else "eager"
+    target, drafter = model_pair(family, implementation)
+    ids, mask, _ = padded_batch(LENGTHS[batch], seed=batch)
+    expected = greedy(target, ids, mask)
+    with record_speculation() as stats:
+        out = greedy(
+            target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache]
+        )
+    assert torch.equal(out, expected)
+    assert len(stats.rows) == batch and stats.mean_accepted_length > 1.0  # the drafts were used
+
+
+def test_rows_equal_rows_generated_alone_and_acceptance_is_ragged():
+    target, drafter = model_pair("qwen3")
+    ids, mask, rows = padded_batch([200, 90, 170, 130])
+    with record_speculation() as stats:
+        out = greedy(
+            target,
+            ids,
+            mask,
+            assistant_model=drafter,
+            cache_implementation="budgeted",
+            cache_config=CACHES["budgeted"],
+        )
+    for i, row in enumerate(rows):
+        alone = greedy(target, row[None], torch.ones_like(row[None]))[0, len(row) :]
+        assert torch.equal(out[i, ids.shape[1] :], alone)
+    # in some round, one row kept every draft, another some, another none
+    gamma = 3
+    rounds = [
+        [r.accepted_per_round[k] for r in stats.rows if len(r.accepted_per_round) > k] for k in range(1, 30)
+    ]
+    assert any({gamma, 0} <= set(kept) and set(kept) - {gamma, 0} for kept in rounds if kept)
+    # rows finished at different rounds
+    assert len({len(r.accepted_per_round) for r in stats.rows}) > 1
+    assert all(r.latency_seconds is not None for r in stats.rows)
+
+
+def test_rows_stop_at_their_own_eos():
+    target, drafter = model_pair("llama")
+    ids, mask, _ = padded_batch([120, 80, 100], seed=3)
+    free = greedy(target, ids, mask)
+    eos = int(free[1, ids.shape[1] + 5])  # row 1's sixth new token ends row 1 (and any row that emits it)
+    expected = greedy(target, ids, mask, eos_token_id=eos)
+    out = greedy(
+        target, ids, mask, eos_token_id=eos, assistant_model=drafter, cache_implementation="sink_window"
+    )
+    assert torch.equal(out, expected)
+    assert int((out[1, ids.shape[1] :] == 0).sum()) >= NEW_TOKENS - 6  # padded after its EOS
+
+
+def test_batched_speculation_uses_the_adaptive_policy_by_default():
+    target, drafter = model_pair("llama", num_assistant_tokens=None)
+    ids, mask, _ = padded_batch([100, 60])
+    with record_speculation() as stats:
+        out = greedy(target, ids, mask, assistant_model=drafter, cache_implementation="budgeted")
+    assert torch.equal(out, greedy(target, ids, mask))
+    assert stats.draft_length_policy == "adaptive" and stats.plan.spec.draft_length == "adaptive"
+    assert stats.plan.spec.static is False  # ragged caches are dynamic
+
+
+# -- the ragged caches against B independent single-row caches ---------------------------------------------------
+def _single(kind: str, config):
+    if kind == "sink_window":
+        return SinkWindowCache(config=config, num_sink_tokens=3, window_length=10, slack=4)
+    return BudgetedCache(
+        config=config,
+        budget=8,
+        policy="streaming",
+        policy_kwargs={"num_sink_tokens": 2},
+        window_length=10,
+        slack=4,
+    )
+
+
+def _ragged(kind: str, config, batch: int):
+    if kind == "sink_window":
+        return RaggedSinkWindowCache(config, batch, num_sink_tokens=3, window_length=10, slack=4, capacity=64)
+    return RaggedBudgetedCache(
+        config,
+        batch,
+        budget=8,
+        policy="streaming",
+        policy_kwargs={"num_sink_tokens": 2},
+        window_length=10,
+        slack=4,
+        capacity=64,
+    )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["sink_window", "budgeted", "full"]),
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+    steps=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 2**16)), min_size=1, max_size=8),
+)
+def test_ragged_rows_match_independent_caches(kind, lengths, steps):
+    _, drafter = model_pair("llama", draft_layers=1)
+    batch, generator = len(lengths), torch.Generator().manual_seed(sum(lengths))
+    ragged = RaggedCache(drafter.config, batch, 8) if kind == "full" else _ragged(kind, drafter.config, batch)
+    singles = [None if kind == "full" else _single(kind, drafter.config) for _ in lengths]
+    singles = [DynamicCache(config=drafter.config) if s is None else s for s in singles]
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            prompt = torch.randint(0, 128, (1, length), generator=generator)
+            ragged.prefill_row(row, length, prompt.device)
+            got = drafter(input_ids=prompt, cache=ragged, use_cache=True).logits
+            want = drafter(input_ids=prompt, cache=singles[row], use_cache=True).logits
+            torch.testing.assert_close(got, want)
+        for width, seed in steps:
+            tokens = torch.randint(0, 128, (batch, width), generator=torch.Generator().manual_seed(seed))
+            positions = ragged.lengths[:, None] + torch.arange(width)
+            mask = ragged.step_mask(width, drafter.dtype)
+            got = drafter(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=ragged).logits
+            remove = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(seed + 1))
+            for row in range(batch):
+                start = singles[row].get_seq_length()
+                want = drafter(
+                    input_ids=tokens[row : row + 1],
+                    position_ids=torch.arange(start, start + width)[None],
+                    cache=singles[row],
+                ).logits
+                torch.testing.assert_close(got[row : row + 1], want, rtol=1e-4, atol=1e-5)
+                if int(remove[row]):
+                    singles[row].crop(-int(remove[row]))
+            ragged.crop_rows(remove)
+            assert ragged.lengths.tolist() == [s.get_seq_length() for s in singles]
+
+
+def test_crop_rows_refuses_what_the_ring_lost():
+    _, drafter = model_pair("llama", draft_layers=1)
+    cache = _ragged("sink_window", drafter.config, 1)
+    with torch.no_grad():
+        cache.prefill_row(0, 20, torch.device("cpu"))
+        drafter(input_ids=torch.arange(20)[None], cache=cache)
+        for _ in range(3):  # 12 tokens written: more than the slack (4) can roll back
+            mask = cache.step_mask(4, drafter.dtype)
+            positions = cache.lengths[:, None] + torch.arange(4)
+            drafter(
+                input_ids=torch.ones(1, 4, dtype=torch.long),
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+            )
+    with pytest.raises(ValueError, match="already overwritten"):
+        cache.crop_rows(torch.tensor([12]))
+
+
+# -- sampling ------------------------------------------------------------------------------------------------------
+def test_batched_sampling_keeps_each_rows_distribution():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=3, draft_layers=1)
+    prompts = [random_prompt(64, seed=5)[0], random_prompt(40, seed=9)[0]]
+    copies, calls = 120, 5  # 600 samples per prompt
+    ids, mask, _ = padded_batch([64, 40])
+    ids, mask = ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0)
+    for row, prompt in enumerate(prompts):
+        ids[row * copies : (row + 1) * copies, ids.shape[1] - len(prompt) :] = prompt
+    torch.manual_seed(0)
+    counts = torch.zeros(len(prompts), 2, 128)
+    for _ in range(calls):
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=2,
+            pad_token_id=0,
+            assistant_model=drafter,
+            cache_implementation="budgeted",
+            cache_config={"budget": 16},
+        )
+        for p in range(len(prompts)):
+            rows = out[p * copies : (p + 1) * copies, -2:]
+            for position in range(2):
+                counts[p, position] += torch.bincount(rows[:, position], minlength=128).float()
+    with torch.no_grad():
+        for p, prompt in enumerate(prompts):
+            first = warped(target(prompt[None]).logits[0, -1:])[0]
+            continued = torch.cat([prompt[None].expand(128, -1), torch.arange(128)[:, None]], dim=1)
+            second = (first[:, None] * warped(target(continued).logits[:, -1])).sum(0)
+            for position, probs in enumerate((first, second)):
+                stat, df = chi_square(counts[p, position], probs)
+                assert stat < chi_square_quantile(max(df, 1)), (p, position, stat, df)
+
+
+class _BatchStreamer(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+def test_bad_batched_input_is_refused():
+    target, drafter = model_pair("llama")
+    ids, mask, _ = padded_batch([30, 20])
+    call = dict(assistant_model=drafter, cache_implementation="sink_window", max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(ValueError, match="left padding"):
+        target.generate(ids, attention_mask=mask.flip(-1), **call)
+    too_many = torch.ones(MAX_BATCH_SIZE + 1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceeds the bound"):
+        target.generate(too_many, attention_mask=torch.ones_like(too_many), **call)
+    with pytest.raises(ValueError, match="streamer"):
+        target.generate(ids, attention_mask=mask, streamer=_BatchStreamer(), **call)
+    with pytest.raises(ValueError, match="output_scores"):
+        target.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **call)
+    with pytest.raises(ValueError, match="shape"):
+        left_padding(mask[:1], ids)
+    with pytest.raises(ValueError, match="single-sequence"):
+        target.generate(ids, attention_mask=mask, cache_config={"static": True}, **call)
