@@ -7,6 +7,7 @@ SGLang command line that serves it, see `hf_budgetdraft.export`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -48,6 +49,17 @@ class GenerateArguments:
         default=None, metadata={"help": "Prompt text (needs a tokenizer in --target)."}
     )
     prompt_file: str | None = field(default=None, metadata={"help": "Read the prompt from this text file."})
+    prompt_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Several prompt files: one batch, a row per file (batched speculation)."},
+    )
+    batch_size: int = field(
+        default=1,
+        metadata={
+            "help": "Rows generated at once; > 1 takes that many passages of the text (or random prompts) of "
+            "ragged lengths, left-padded (batched speculation). --prompt_files sets it to the file count."
+        },
+    )
     context_length: int = field(
         default=4096, metadata={"help": "Prompt tokens (random prompt, or truncate to)."}
     )
@@ -117,6 +129,16 @@ class GenerateArguments:
             raise ValueError(
                 f"--temperature must be > 0, --top_p in (0, 1], --top_k >= 0; got {self.temperature}, "
                 f"{self.top_p}, {self.top_k}"
+            )
+        from .generation.batched import MAX_BATCH_SIZE
+
+        if self.prompt_files:
+            self.batch_size = len(self.prompt_files)
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"--batch_size must be in [1, {MAX_BATCH_SIZE}], got {self.batch_size}")
+        if self.batch_size > 1 and self.cache == "full":
+            raise ValueError(
+                "--cache full is stock assisted generation, which is single-sequence; use a sparse cache"
             )
         if self.random_models + self.demo_models + bool(self.target and self.drafter) != 1:
             raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
@@ -189,6 +211,8 @@ def generate_command(args: GenerateArguments) -> int:
     else:
         target, drafter, tokenizer = _load_pair(args)
     target.set_attn_implementation(args.target_attn_implementation)
+    if args.batch_size > 1:
+        return _generate_batch(args, target, drafter, tokenizer)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
     sampling = args.sampling()
     draft = {"gamma": 5, "sampling": sampling}  # --cache full: stock assisted generation
@@ -247,6 +271,80 @@ def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar,
         )
     print(f"(one run each, {args.threads} threads; benchmarks/ has measured ratios)")
     return 0 if diff == 0 or args.do_sample else 1
+
+
+def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text."""
+    from .eval.batched import ragged_batch
+
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    if args.prompt_files:
+        rows = []
+        for path in args.prompt_files:
+            with open(path, encoding="utf-8") as handle:
+                rows.append(
+                    tokenizer(handle.read(), return_tensors="pt").input_ids[0, -args.context_length :]
+                )
+        width = max(r.numel() for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - row.numel() :], mask[i, width - row.numel() :] = row, 1
+        return ids, mask
+    stream = _prompt_ids(
+        dataclasses.replace(args, context_length=MAX_CACHE_TOKENS, batch_size=1, prompt_files=None),
+        tokenizer,
+        vocab_size,
+    )[0]
+    if stream.numel() < args.context_length:  # random prompts: one long random stream
+        generator = torch.Generator().manual_seed(args.seed)
+        stream = torch.randint(0, vocab_size, (args.context_length * 2,), generator=generator)
+    return ragged_batch(stream, args.batch_size, args.context_length, pad_token_id=pad, seed=args.seed)
+
+
+def _generate_batch(args: GenerateArguments, target, drafter, tokenizer) -> int:
+    """The batched main job: batched AR on the fast target, then the batched one-liner; per-row greedy diffs."""
+    from .eval.batched import run_batch
+
+    ids, mask = _batch_ids(args, tokenizer, target.config.vocab_size)
+    spec = args.draft_spec()
+    options = {
+        "cache_implementation": spec.cache,
+        "cache_config": spec.to_cache_config(),
+        "sampling": args.sampling(),
+    }
+    torch.manual_seed(args.seed)
+    ar = run_batch("ar", target, drafter, ids, mask, args.max_new_tokens, sampling=args.sampling())
+    torch.manual_seed(args.seed)
+    spec_run = run_batch("speculative", target, drafter, ids, mask, args.max_new_tokens, **options)
+    stats = spec_run.stats
+    print(
+        f"batch: {ids.shape[0]} rows, prompt tokens {mask.sum(-1).tolist()}, new tokens {args.max_new_tokens} each"
+    )
+    print(f"draft plan: {stats.plan.spec} (draft length from {stats.plan.draft_length_source})")
+    diffs = [int((spec_run.new_ids(i) != ar.new_ids(i)).sum()) for i in range(ids.shape[0])]
+    for i, row in enumerate(stats.rows):
+        text = (
+            tokenizer.decode(spec_run.new_ids(i)[:24])
+            if tokenizer is not None
+            else spec_run.new_ids(i)[:12].tolist()
+        )
+        print(
+            f"row {i}: {row.mean_accepted_length:.2f} tokens a round, latency {row.latency_seconds:.2f} s, "
+            f"greedy diff {'-' if args.do_sample else diffs[i]}: {text!r}"
+        )
+    decode = spec_run.decode_tokens_per_second, ar.decode_tokens_per_second
+    print(
+        f"throughput (all rows, decode): {decode[0]:.1f} vs batched AR {decode[1]:.1f} tok/s = {decode[0] / decode[1]:.2f}x"
+        f"; end to end {ar.seconds / spec_run.seconds:.2f}x ({spec_run.seconds:.2f} s vs {ar.seconds:.2f} s)"
+    )
+    if args.do_sample:
+        print("sampling: every row keeps the target's distribution (speculative sampling); no greedy diff")
+        return 0
+    verdict = "identical" if not any(diffs) else "DIFFERENT"
+    print(f"greedy diff vs batched AR: {sum(diffs)} tokens over {len(diffs)} rows ({verdict})")
+    print(f"(one run each, {args.threads} threads; benchmarks/ has measured ratios)")
+    return 0 if not any(diffs) else 1
 
 
 @dataclass

@@ -106,3 +106,25 @@ def test_generate_demo_models_sampling(capsys):
     assert code == 0 and "keeps the target's distribution" in out and "greedy diff vs" not in out
     assert _field(r"new tokens: (\d+)", out) == 12 and "draft_length='adaptive'" in out
     assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= 17
+
+
+def test_generate_a_batch_of_prompt_files(tmp_path, capsys):
+    """Several prompts: one left-padded batch, batched AR then the batched one-liner, every row's greedy diff."""
+    from hf_budgetdraft.demo.documents import DEMO_TEXT
+
+    text = DEMO_TEXT.read_text(encoding="utf-8")
+    files = []
+    for i, (start, length) in enumerate(((0, 3000), (20000, 1800), (40000, 2500))):
+        path = tmp_path / f"prompt{i}.txt"
+        path.write_text(text[start : start + length], encoding="utf-8")
+        files.append(str(path))
+    code = main(
+        ["generate", "--demo_models", "--prompt_files", *files, "--max_new_tokens", "12", "--threads", "1"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert _field(r"batch: (\d+) rows", out) == 3
+    assert _field(r"greedy diff vs batched AR: (\d+) tokens over 3 rows \(identical\)", out) == 0
+    rows = re.findall(r"row \d: (\d+\.\d+) tokens a round, latency (\d+\.\d+) s, greedy diff (\d+)", out)
+    assert len(rows) == 3 and all(1 <= float(t) <= 17 and d == "0" for t, _, d in rows)
+    assert _field(r"= (\d+\.\d+)x", out) > 0
