@@ -1,7 +1,7 @@
 """The one place that hooks into transformers' `generate()` (tested against the pinned 5.24 range).
 
 `install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
-`"budgeted"` valid and wraps three `GenerationMixin` steps:
+`"budgeted"` valid and wraps four `GenerationMixin` steps:
 
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
@@ -16,6 +16,8 @@
   exact O(1) rollback) when every layer is full attention, else transformers' default; without a draft, the
   target itself runs on the sparse cache (StreamingLLM-style, **lossy**: output can differ from full-cache greedy
   decoding).
+- `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched.py` with no
+  draft, so each row's sink / selection is of its own tokens, not of the padding.
 
 `install()` also registers `attn_implementation="budgetdraft_sdpa"`, `"budgetdraft_varlen"` (varlen kernels on
 GPU; the attention a `cache_config={"static": True}` draft cache needs) and the query-capture attentions.
@@ -39,7 +41,7 @@ from .attention.query_capture import register as register_query_capture
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
-from .generation.batched import drafting_on_full_cache, run_batched
+from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
 from .generation.fast_path import DraftPlan, resolve_plan
@@ -234,12 +236,6 @@ def _prepare_cache_for_generation(
         )
     if model_kwargs.get("cache") is not None:
         raise ValueError("pass either cache_implementation= or cache=, not both")
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            f"cache_implementation={name!r} without a draft does not support padded batches (got an attention_mask "
-            "with zeros); generate one sequence at a time or without padding"
-        )
     cache = build_sparse_cache(name, self.config, generation_config.cache_config)
     policy = getattr(cache, "policy", None)
     if (
@@ -252,6 +248,19 @@ def _prepare_cache_for_generation(
             "`with hf_budgetdraft.query_capture(model):`"
         )
     model_kwargs["cache"] = cache
+
+
+def _sample(self, *args, **kwargs):
+    """Greedy/sampling on a sparse cache without a draft (lossy): a left-padded batch runs the ragged loop, so each
+    row keeps its own sink + window or selection of its own tokens (not of the padding)."""
+    generation_config = kwargs.get("generation_config")
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    mask = kwargs.get("attention_mask")
+    name = getattr(generation_config, "cache_implementation", None)
+    if name in SPARSE_CACHE_IMPLEMENTATIONS and mask is not None and not bool(mask.all()):
+        spec = DraftSpec.from_cache_config(name, generation_config.cache_config)
+        return run_sparse_batch(self, spec, input_ids, generation_config, kwargs)
+    return _originals["_sample"](self, *args, **kwargs)
 
 
 def _can_use_growable(model, generation_config, model_kwargs) -> bool:
@@ -279,8 +288,9 @@ def install() -> None:
         n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     )
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS += missing
-    for method in (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding):
+    for method in (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding, _sample):
         _originals[method.__name__] = getattr(GenerationMixin, method.__name__)
         setattr(GenerationMixin, method.__name__, method)
     # generate() reads the decoding method's signature to decide which arguments it passes (`inputs_tensor`)
     _assisted_decoding.__signature__ = inspect.signature(_originals["_assisted_decoding"])
+    _sample.__signature__ = inspect.signature(_originals["_sample"])

@@ -64,14 +64,32 @@ def test_vocab_mismatch():
         integration._check_assistant(target, other, target.generation_config, None, None)
 
 
-def test_lossy_mode_refuses_padded_batches():
-    # (batched speculative decoding is tested in test_batched.py)
+@pytest.mark.parametrize("name", ["sink_window", "budgeted"])
+def test_lossy_mode_takes_padded_batches(name):
+    """Without a draft, a left-padded batch on a sparse cache: each row equals that row generated alone on the same
+    sparse cache (its sink / selection is of its own tokens); beam search stays a clear error."""
     target, _ = model_pair("llama")
-    ids = random_prompt(64).repeat(2, 1)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="does not support padded batches"):
-        target.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="sink_window")
+    config = (
+        {"num_sink_tokens": 4, "window_length": 16}
+        if name == "sink_window"
+        else {"budget": 32, "window_length": 16}
+    )
+    rows = [random_prompt(90, seed=1)[0], random_prompt(50, seed=2)[0]]
+    ids = torch.zeros(2, 90, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 90 - len(row) :], mask[i, 90 - len(row) :] = row, 1
+    call = dict(
+        max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation=name, cache_config=config
+    )
+    out = target.generate(ids, attention_mask=mask, **call)
+    full = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for i, row in enumerate(rows):
+        alone = target.generate(row[None], attention_mask=torch.ones_like(row[None]), **call)
+        assert torch.equal(out[i, 90:], alone[0, len(row) :])
+    assert not torch.equal(out, full)  # lossy: the sparse cache changes the output on this case
+    with pytest.raises(ValueError, match="beam search"):
+        target.generate(ids, attention_mask=mask, num_beams=2, **call)
 
 
 def test_sparse_cache_needs_a_draft_model_for_prompt_lookup():

@@ -44,7 +44,7 @@ from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache
 from .acceptance import greedy_accept, speculative_accept
 from .candidate_generator import make_draft_length
-from .draft_length import DraftLength
+from .draft_length import DraftLength, FixedDraftLength
 from .fast_path import DraftPlan
 from .stats import active_recorder
 
@@ -109,11 +109,15 @@ class BatchedSpeculation:
             self.tokens[row, : self.prompt_lengths[row]] = input_ids[row, self.pads[row] :]
         self.generated = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
         self.rows = torch.arange(batch, device=input_ids.device)  # original index of each active row
-        self.target_cache = RaggedCache(self.target.config, batch, capacity)
-        if _full_draft.get():
-            self.draft_cache = RaggedCache(self.drafter.config, batch, capacity)
+        if self.drafter is None:  # no draft: the target itself reads the sparse cache (lossy)
+            self.target_cache = self.plan.spec.build_ragged_cache(self.target.config, batch, capacity)
+            self.draft_cache = None
         else:
-            self.draft_cache = self.plan.spec.build_ragged_cache(self.drafter.config, batch, capacity)
+            self.target_cache = RaggedCache(self.target.config, batch, capacity)
+            if _full_draft.get():
+                self.draft_cache = RaggedCache(self.drafter.config, batch, capacity)
+            else:
+                self.draft_cache = self.plan.spec.build_ragged_cache(self.drafter.config, batch, capacity)
 
     # -- forwards ------------------------------------------------------------------------------------------------
     def _prefill(self, model, cache: RaggedCache, capture: bool = False) -> torch.Tensor:
@@ -278,8 +282,9 @@ class BatchedSpeculation:
     def _drop(self, finished: torch.Tensor) -> None:
         keep = (~finished).nonzero()[:, 0]
         self.rows = self.rows[keep]
-        self.target_cache.keep_rows(keep)
-        self.draft_cache.keep_rows(keep)
+        for cache in (self.target_cache, self.draft_cache):
+            if cache is not None:
+                cache.keep_rows(keep)
 
     # -- the call ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,13 +295,17 @@ class BatchedSpeculation:
         if stats is not None:
             stats.candidate_generator = self
         start = time.perf_counter()
-        first = self._process(self._prefill(self.target, self.target_cache)[:, None], input_ids[:, :0])[:, 0]
+        logits = self._prefill(self.target, self.target_cache, capture=_scores_queries(self.target_cache))
+        first = self._process(logits[:, None], input_ids[:, :0])[:, 0]
         first = torch.multinomial(first.softmax(-1), 1)[:, 0] if self.sample else first.argmax(-1)
-        capture = isinstance(self.draft_cache, RaggedBudgetedCache) and self.draft_cache.policy.needs_queries
         prefill_end = time.perf_counter()
-        self._prefill(self.drafter, self.draft_cache, capture=capture)
+        if self.drafter is not None:
+            self._prefill(self.drafter, self.draft_cache, capture=_scores_queries(self.draft_cache))
         draft_prefill = time.perf_counter() - prefill_end
-        self.cache_bytes = {"target": self.target_cache.nbytes(), "draft": self.draft_cache.nbytes()}
+        self.cache_bytes = {
+            "target": self.target_cache.nbytes(),
+            "draft": self.draft_cache.nbytes() if self.draft_cache is not None else 0,
+        }
         finished = self._emit(torch.zeros_like(first), first[:, None])
         if stats is not None:
             stats.begin_batch(input_ids.shape[0], prefill_end - start, draft_prefill)
@@ -340,6 +349,11 @@ def full_draft_cache() -> Iterator[None]:
         yield
     finally:
         _full_draft.reset(token)
+
+
+def _scores_queries(cache) -> bool:
+    """Whether a cache's prefill needs the prefill queries (a query-scored budgeted policy)."""
+    return isinstance(cache, RaggedBudgetedCache) and cache.policy.needs_queries
 
 
 def drafting_on_full_cache() -> bool:
@@ -391,6 +405,27 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
     sequences = speculation.run(
         input_ids, kwargs.get("attention_mask"), make_draft_length(plan), stats=active_recorder()
     )
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def run_sparse_batch(model, spec, input_ids, generation_config, kwargs: dict):
+    """`_sample` for a left-padded batch on a sparse cache without a draft (the lossy mode): the target itself
+    reads each row's sink + window or budgeted selection, one token a step."""
+    if generation_config.return_dict_in_generate and any(
+        getattr(generation_config, name, False) for name in _UNSUPPORTED_OUTPUTS
+    ):
+        raise ValueError(
+            f"{list(_UNSUPPORTED_OUTPUTS)} are not returned for a padded batch on a sparse cache; drop them"
+        )
+    if kwargs.get("streamer") is not None:
+        raise ValueError("a streamer takes one sequence; this padded batch has several rows. Drop streamer=")
+    plan = DraftPlan(spec=spec.replace(static=False, compile=False, draft_length=0))
+    decoding = BatchedSpeculation(
+        model, None, plan, generation_config, kwargs.get("logits_processor"), kwargs.get("stopping_criteria")
+    )
+    sequences = decoding.run(input_ids, kwargs.get("attention_mask"), FixedDraftLength(0))
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
