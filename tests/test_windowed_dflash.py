@@ -140,6 +140,15 @@ def test_bad_windowed_dflash_input_fails_clearly():
         dflash(target, drafter, ids, cache_implementation="sink_window", cache_config={"slack": BLOCK - 1})
     with pytest.raises(ValueError, match="window_length must be in"):
         dflash(target, drafter, ids, cache_implementation="sink_window", cache_config={"window_length": 0})
-    _, sliding_only = pair(("sliding_attention", "sliding_attention"))
-    with pytest.raises(ValueError, match="no full-attention layer"):
-        dflash(target, sliding_only, ids, **WINDOWED)
+
+
+def test_all_sliding_dflash_drafter_runs_on_its_own_sliding_layers():
+    """Nothing to sparsify: the drafter drafts exactly as native DFlash, whatever window is asked for."""
+    target, sliding_only = pair(("sliding_attention", "sliding_attention"))
+    ids = prompt(40)
+    with record_speculation() as native:
+        expected = dflash(target, sliding_only, ids)
+    with record_speculation() as windowed:
+        out = dflash(target, sliding_only, ids, **WINDOWED)
+    assert torch.equal(out, expected)
+    assert windowed.accepted_per_round == native.accepted_per_round

@@ -2,9 +2,15 @@
 
 A `Cache` layer sees only keys and values. Query-scored policies (SnapKV, chunk with a query proxy) need the
 last prefill queries too; transformers calls `cache.update(...)` and then, in the same attention forward, the
-attention function. We register attention functions that wrap `sdpa`/`eager` and deliver the queries (RoPE
-applied, times the layer's scaling) to the cache layer that requested them in that `update`. This works for
-every model family that uses transformers' `AttentionInterface`, without re-deriving queries per family.
+attention function. Two ways to catch that call, without re-deriving queries per family:
+
+- families that dispatch through transformers' `AttentionInterface` (the model can switch its attention
+  implementation): registered attention functions wrap `sdpa`/`eager` and deliver the queries (RoPE applied,
+  times the layer's scaling) to the cache layer that requested them in that `update`;
+- families whose attention calls torch directly (Falcon: `F.scaled_dot_product_attention`, or `query @ key^T`):
+  a `TorchFunctionMode`, active only inside `query_capture`, recognises the attention op by its key operand — the
+  very tensor the requesting layer's `update` returned — and delivers its query operand, scaled by the op's
+  `scale` (SDPA) or `1 / sqrt(D)`.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
@@ -37,25 +44,43 @@ _SDPA_FUNCTIONS = {
 }
 
 
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
 class QueryReceiver(Protocol):
     def receive_queries(self, queries: torch.Tensor) -> None: ...
 
 
-_request: ContextVar[tuple[QueryReceiver, int] | None] = ContextVar("budgetdraft_query_request", default=None)
+class _Request(NamedTuple):
+    receiver: QueryReceiver
+    layer_idx: int
+    keys: torch.Tensor | None  # what the layer's `update` returned, `(B, H_kv, L, D)`
 
 
-def request_queries(receiver: QueryReceiver, layer_idx: int) -> None:
-    """Called from `Cache.update`: the next attention call of layer `layer_idx` delivers its queries."""
-    _request.set((receiver, layer_idx))
+_request: ContextVar[_Request | None] = ContextVar("budgetdraft_query_request", default=None)
+
+
+def request_queries(receiver: QueryReceiver, layer_idx: int, keys: torch.Tensor | None = None) -> None:
+    """Called from `Cache.update`: the next attention call of layer `layer_idx` delivers its queries.
+
+    `keys` (the keys this `update` returns) let the op-level capture recognise an attention computed with plain
+    torch ops; without them only the `AttentionInterface` capture can serve the request.
+    """
+    _request.set(_Request(receiver, layer_idx, keys))
 
 
 def cancel_request(receiver: QueryReceiver) -> bool:
     """Drop a request of `receiver` that no capturing attention function served; True if there was one."""
     pending = _request.get()
-    if pending is not None and pending[0] is receiver:
+    if pending is not None and pending.receiver is receiver:
         _request.set(None)
         return True
     return False
+
+
+def _deliver(pending: _Request, queries: torch.Tensor) -> None:
+    _request.set(None)
+    pending.receiver.receive_queries(queries)  # (B, H_q, q_len, D), times the attention scaling
 
 
 def _eager_for(module: torch.nn.Module) -> Callable:
@@ -71,10 +96,9 @@ def _eager_for(module: torch.nn.Module) -> Callable:
 def _make_capturing(base: str) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         pending = _request.get()
-        if pending is not None and pending[1] == getattr(module, "layer_idx", None):
-            _request.set(None)
+        if pending is not None and pending.layer_idx == getattr(module, "layer_idx", None):
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-            pending[0].receive_queries(query * scaling)  # (B, H_q, q_len, D)
+            _deliver(pending, query * scaling)
         function = _SDPA_FUNCTIONS[base] if base in _SDPA_FUNCTIONS else _eager_for(module)
         return function(module, query, key, value, attention_mask, **kwargs)
 
@@ -91,9 +115,49 @@ def register() -> None:
             AttentionMaskInterface.register(name, mask)
 
 
+def _is_transposed(tensor: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `tensor` is `keys.transpose(-1, -2)` (the same storage, seen as `(B, H_kv, D, L)`)."""
+    return (
+        tensor.dim() == keys.dim() >= 2
+        and tensor.data_ptr() == keys.data_ptr()
+        and tensor.shape == keys.transpose(-1, -2).shape
+        and tensor.stride() == keys.transpose(-1, -2).stride()
+    )
+
+
+def _attention_query(func, args: tuple, kwargs: dict, keys: torch.Tensor) -> torch.Tensor | None:
+    """The scaled query `(B, H_q, q, D)` of a torch attention op on `keys`, or None if `func(*args)` is not one."""
+    if func is F.scaled_dot_product_attention:
+        query = args[0] if args else kwargs.get("query")
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        if key is keys:
+            scale = kwargs.get("scale") or query.shape[-1] ** -0.5
+            return query * scale
+    elif func in _MATMULS and len(args) == 2 and torch.is_tensor(args[1]) and _is_transposed(args[1], keys):
+        return args[0] * args[0].shape[-1] ** -0.5  # the op shows no scaling; attention's default
+    return None
+
+
+class _OpCapture(torch.overrides.TorchFunctionMode):
+    """Serve a pending request from the torch attention op (SDPA or `query @ key^T`) that reads its keys."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pending = _request.get()
+        if pending is not None and pending.keys is not None:
+            query = _attention_query(func, args, kwargs, pending.keys)
+            if query is not None:
+                _deliver(pending, query)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def query_capture(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """Run `model` with query capture on; restores its attention implementation on exit.
+
+    A model that dispatches through transformers' `AttentionInterface` runs the capturing attention; one whose
+    attention calls torch directly (`_can_set_attn_implementation()` is False, e.g. Falcon) keeps its attention
+    and is watched at the op level instead.
 
     Example:
         >>> cache = BudgetedCache(config=model.config, budget=512, policy="snapkv")
@@ -101,6 +165,10 @@ def query_capture(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         ...     model(input_ids, cache=cache)
     """
     register()
+    if not model._can_set_attn_implementation():
+        with _OpCapture():
+            yield model
+        return
     original = model.config._attn_implementation
     if original.startswith(CAPTURE_PREFIX):
         yield model

@@ -1,6 +1,6 @@
 """What the two sparse draft caches share: a layer = a fixed "static" part + a ring window of recent tokens.
 
-Contracts (DESIGN.md §3):
+Contracts:
 - keys are stored with their absolute RoPE rotation; `get_seq_length()` is the logical length;
 - `update` returns `[static part, ring window, new tokens]` in that order and `get_mask_sizes` reports exactly
   that many keys, with an offset that makes every kept past key visible to every new query and keeps the new
@@ -13,20 +13,24 @@ Contracts (DESIGN.md §3):
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
     CacheLayerMixin,
-    DummyLayer,
-    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
     get_layer_types_and_kwargs,
 )
 
 from .ring_window import RingWindow
 from .static import StaticDraftLayer
 
+logger = logging.getLogger(__name__)
 MAX_CACHE_TOKENS = 1 << 22  # bound on any user-given size, so a typo cannot allocate terabytes
 
 
@@ -157,11 +161,39 @@ class SparseDraftLayer(CacheLayerMixin):
     reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
-class SparseDraftCache(Cache):
-    """A `Cache` whose full-attention layers are sparse draft layers.
+# Layer types that keep the layer transformers' `DynamicCache` gives them: bounded already (a sliding or chunked
+# window, a convolution state), holding nothing (`dummy`), or attention that selects its own keys (`indexed_attention`,
+# DeepSeek-V3.2's sparse attention: its indexer reads the whole cache, so it is kept whole, and this is logged).
+NATIVE_LAYER_TYPES = tuple(t for t in DYNAMIC_LAYER_TYPE_MAPPING if t not in ("full_attention", "hybrid"))
+_UNBOUNDED_NATIVE = ("indexed_attention",)
+_logged: set[str] = set()
 
-    Sliding-window and chunked layers already have a bounded cost; they keep transformers' own
-    `DynamicSlidingWindowLayer`. A model with no full-attention layer has nothing to sparsify.
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
+
+
+class SparseDraftCache(Cache):
+    """A `Cache` whose attention layers are sparse draft layers; every other layer is transformers' own.
+
+    A full-attention layer gets `make_layer(idx)`; a `"hybrid"` layer (attention and a short convolution in one
+    decoder layer, e.g. Inkling) gets it plus transformers' convolution state (`with_linear_state`). Every other
+    layer type keeps the layer transformers' `DynamicCache` gives it: sliding/chunked windows and convolution states
+    (LFM2's `conv` layers) are bounded already; an `indexed_attention` layer (DeepSeek-V3.2) selects its own keys
+    from the whole cache and is kept whole (logged). All of them roll back exactly, transformers' layers through
+    their past recording (`activate_past_recording`, then `crop(-n)`).
+
+    All-sliding drafters: a model with no full-attention layer (Mistral with `sliding_window` on every layer, the
+    sliding MTP layer of Mellum) has nothing to sparsify. It runs on its own cache, exactly as stock assisted
+    generation runs it, and this is logged once. The requested window is never applied to a sliding layer, smaller
+    or larger than the model's own: a sliding layer reads what the model was trained to read, at a cost bounded by
+    its own window.
+
+    Refused: layer types transformers' `DynamicCache` has no layer for, and, at the first `crop` (transformers'
+    assisted generation refuses stateful models too), a layer holding a recurrent state (Mamba, gated delta net),
+    which cannot be rolled back.
     """
 
     def __init__(
@@ -175,38 +207,111 @@ class SparseDraftCache(Cache):
                 f"config must be the model's PreTrainedConfig (e.g. `config=model.config`), got {type(config).__name__}"
             )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        layers = []
-        for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
-            if layer_type == "full_attention":
-                layers.append(make_layer(idx))
-            elif layer_type in ("sliding_attention", "chunked_attention"):
-                layers.append(DynamicSlidingWindowLayer(**kwargs))
-            elif layer_type == "dummy":
-                layers.append(DummyLayer())
-            else:
-                raise ValueError(
-                    f"layer {idx} of {config.model_type!r} is {layer_type!r}; a sparse draft cache can only replace "
-                    "attention KV caches (full, sliding, chunked). Use a drafter with standard attention layers."
-                )
-        if not any(isinstance(layer, (SparseDraftLayer, StaticDraftLayer)) for layer in layers):
-            raise ValueError(
-                f"{config.model_type!r} with layer types {sorted(set(layer_types))} has no full-attention layer: its "
-                "cache is already bounded by its sliding window, there is nothing for a sparse draft cache to do"
-            )
+        layers = [
+            _make_cache_layer(idx, layer_type, kwargs, make_layer, config.model_type)
+            for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
+        ]
+        _log_what_is_not_sparsified(type(self).__name__, config.model_type, layer_types, layers)
         super().__init__(layers=layers)
         self.max_draft_tokens = slack
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens from every layer (exact within the slack, else raises)."""
+        for idx, layer in enumerate(self.layers):
+            if any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
+                raise ValueError(
+                    f"crop({tokens_to_remove}): layer {idx} ({type(layer).__name__}) holds a recurrent state (a "
+                    "stateful model: Mamba, gated delta net, ...), which cannot be rolled back to an earlier token, "
+                    "so a rejected draft cannot be undone exactly; transformers' assisted generation refuses stateful "
+                    "models too. Use a drafter made of attention and convolution layers (e.g. Llama, LFM2)."
+                )
+        super().crop(tokens_to_remove)
+
     def nbytes(self) -> int:
-        """Bytes held by this cache's buffers (keys and values of every layer)."""
+        """Bytes held by this cache's buffers (keys and values of every layer, convolution states)."""
         return cache_nbytes(self)
 
 
+def _log_what_is_not_sparsified(
+    cache_name: str, model_type: str, layer_types: list[str], layers: list
+) -> None:
+    if not any(isinstance(layer, (SparseDraftLayer, StaticDraftLayer)) for layer in layers):
+        _log_once(
+            f"{cache_name}: {model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}), so "
+            "nothing is sparsified: the draft runs on the model's own cache, as stock assisted generation does"
+        )
+    elif unbounded := sorted(set(layer_types) & set(_UNBOUNDED_NATIVE)):
+        _log_once(
+            f"{cache_name}: the {unbounded} layers of {model_type!r} select their own keys from the whole cache and "
+            "keep it whole (not sparsified); only its full-attention layers are bounded"
+        )
+
+
+def _make_cache_layer(idx: int, layer_type: str, kwargs: dict, make_layer: Callable, model_type: str):
+    """Layer `idx` of a sparse draft cache: `make_layer(idx)` for full attention, transformers' own otherwise."""
+    if layer_type == "full_attention":
+        return make_layer(idx)
+    if layer_type == "hybrid":
+        return with_linear_state(make_layer(idx), **kwargs)
+    if layer_type in NATIVE_LAYER_TYPES:
+        return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+    raise ValueError(
+        f"layer {idx} of {model_type!r} is {layer_type!r}, a layer type transformers' DynamicCache has no cache layer "
+        f"for; a sparse draft cache sparsifies 'full_attention' and 'hybrid' layers and keeps transformers' own "
+        f"layer for {list(NATIVE_LAYER_TYPES)}. Use a drafter whose layers are of these types."
+    )
+
+
+def with_linear_state(layer: SparseDraftLayer | StaticDraftLayer, number_of_states: int = 1):
+    """`layer` (a sparse attention layer) that also holds transformers' convolution state, as a `"hybrid"` layer
+    type needs (attention and a short convolution in one decoder layer): the attention part is sparsified, the
+    convolution state is kept and rolled back by `LinearAttentionLayer`'s own code, as in transformers'
+    `LinearAttentionAndFullAttentionLayer`."""
+    layer.__class__ = _hybrid_class(type(layer))
+    LinearAttentionLayer.__init__(layer, number_of_states=number_of_states)
+    return layer
+
+
+@functools.cache
+def _hybrid_class(attention_class: type) -> type:
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if args:  # `update(keys, values)` of the attention part
+            attention_class.lazy_initialization(self, *args, **kwargs)
+        else:  # `update_conv_state` / `update_recurrent_state`, always by keyword
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        attention_class.crop(self, tokens_to_remove)  # checks the slack first
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        attention_class.reset(self)
+
+    members = {
+        "is_compileable": False,
+        "lazy_initialization": lazy_initialization,
+        "crop": crop,
+        "reset": reset,
+        "__repr__": attention_class.__repr__,
+        "__module__": __name__,
+    }
+    # the attention class first: the instance keeps its memory layout (so `__class__` can be reassigned) and its
+    # attention-side behaviour; `LinearAttentionLayer` adds the convolution-state methods
+    bases = (attention_class, LinearAttentionLayer)
+    return type(f"{attention_class.__name__}WithLinearState", bases, members)
+
+
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes of keys/values stored by any transformers `Cache` (preallocated layers count their buffers)."""
+    """Bytes of keys/values (and convolution/recurrent states) stored by any transformers `Cache` (preallocated
+    layers count their buffers)."""
     total = 0
     for layer in cache.layers:
         if hasattr(layer, "nbytes"):  # sparse draft and growable layers: their preallocated buffers
             total += layer.nbytes()
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             total += layer.keys.numel() * layer.keys.element_size() * 2
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+            total += sum(state.numel() * state.element_size() for state in states if state is not None)
     return total

@@ -30,9 +30,12 @@ class PrefixSelection:
             cancel_request(self)
             self._pending = None
             raise ValueError(
-                f"policy={self.policy.name!r} scores the prefix with the prefill queries, but the model's attention "
-                "did not hand them over. Run the model inside `hf_budgetdraft.query_capture(model)` (generate() "
-                "with cache_implementation='budgeted' does this for you), or use policy='chunk'/'streaming'."
+                f"policy={self.policy.name!r} scores the prefix with the prefill queries of layer {self.layer_idx}, "
+                "but the model's attention did not hand them over. Run the model inside "
+                "`hf_budgetdraft.query_capture(model)` (generate() with cache_implementation='budgeted' does this "
+                "for you); it serves attention that goes through transformers' attention interface, or that calls "
+                "torch SDPA / `query @ key^T` on the keys the cache returned. Otherwise use a policy without "
+                "queries: policy='streaming', or policy='chunk' with query_proxy='last_key'."
             )
 
     def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -41,7 +44,7 @@ class PrefixSelection:
         self._start_after_prefill(length)
         if length > self.budget and self.policy.needs_queries:
             self._pending = (key_states, value_states)
-            request_queries(self, self.layer_idx)
+            request_queries(self, self.layer_idx, key_states)  # `update` returns these keys
         else:
             self._compress(key_states, value_states, None)
 

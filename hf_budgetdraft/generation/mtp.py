@@ -26,7 +26,12 @@ from ..cache.sink_window import SinkWindowCache
 
 
 class WindowedMtpCache(SinkWindowCache):
-    """`MtpCache` semantics (depth-k queries and keys sit k+1 positions ahead) on sink + window ring layers."""
+    """`MtpCache` semantics (depth-k queries and keys sit k+1 positions ahead) on sink + window ring layers.
+
+    An MTP layer that is natively sliding (Mellum's `mtp_layer_types=["sliding_attention"]`) keeps its own
+    sliding-window layer, as every `SparseDraftCache` keeps sliding layers: it is already bounded, so the
+    requested window is not applied to it (a Mellum head drafts exactly as native MTP does, and this is logged).
+    """
 
     def get_query_offset(self, layer_idx: int = 0):
         return super().get_query_offset(layer_idx) + layer_idx + 1
@@ -48,7 +53,11 @@ def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -
     num_mtp_layers = main_model.config.get_text_config().num_mtp_layers
     # multi-depth MTP rolls its cache back by `num_mtp_layers` tokens when a chain is rejected
     options.setdefault("slack", max(32, num_mtp_layers + 1))
-    return WindowedMtpCache(config=main_model.config.get_mtp_config(), **options)
+    cache = WindowedMtpCache(config=main_model.config.get_mtp_config(), **options)
+    # natively sliding MTP layers (kept as they are) must keep what a rollback needs; depth 1 never rolls back
+    if num_mtp_layers > 1:
+        cache.activate_past_recording()
+    return cache
 
 
 def expose_mtp_layers(model: PreTrainedModel) -> PreTrainedModel:
@@ -80,6 +89,7 @@ def new_mtp_head(model: PreTrainedModel, num_mtp_layers: int | None = None) -> M
     return mtp
 
 
+_PER_LAYER_FIELDS = (("layer_types", "mtp_layer_types"), ("mlp_layer_types", "mtp_mlp_layer_types"))
 _EXTRAS = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "post_norm": "shared_head.norm"}
 
 
@@ -96,7 +106,13 @@ def save_pretrained_with_mtp(model: PreTrainedModel, mtp_model: MtpModel, path: 
     config = model.config.get_text_config()
     depth = config.num_hidden_layers
     carrier_config = copy.deepcopy(model.config)
-    carrier_config.get_text_config().num_hidden_layers = depth + mtp_model.num_mtp_layers
+    carrier_text_config = carrier_config.get_text_config()
+    carrier_text_config.num_hidden_layers = depth + mtp_model.num_mtp_layers
+    for main_field, mtp_field in _PER_LAYER_FIELDS:  # the carrier's extra layers are the MTP layers' types
+        if getattr(config, main_field, None) is not None:
+            setattr(
+                carrier_text_config, main_field, [*getattr(config, main_field), *getattr(config, mtp_field)]
+            )
     carrier = type(model)(carrier_config)
     carrier.load_state_dict(model.state_dict(), strict=False)
     for i, layer in enumerate(mtp_model.layers):

@@ -67,7 +67,7 @@ class _PrefixLayer(DynamicLayer):
             raise RuntimeError("the prefix recorder takes exactly one forward (the prefix)")
         out = super().update(key_states, value_states)
         if self.query_window:
-            request_queries(self, self.layer_idx)
+            request_queries(self, self.layer_idx, out[0])  # the keys this update returns
         return out
 
     def receive_queries(self, queries: torch.Tensor) -> None:

@@ -1,0 +1,330 @@
+"""Every drafter family stock assisted generation runs also drafts on a sparse cache, token-identical to the target.
+
+Matrix: the 15 families of `tiny_families.MORE_FAMILIES` (hybrid convolution LFM2 / Inkling, all-sliding Mistral,
+Falcon, gpt-oss with sinks, MoE, MLA, mixed sliding, NoPE, learned positions) x {sink_window, budgeted chunk}, and
+all 25 families (with `tiny_models.FAMILIES`, whose other caches `test_generate_equivalence` covers) x the
+query-scored policies {snapkv, chunk with `query_proxy="last_query"`}. Plus the contracts behind them: exact
+rollback of convolution states, the all-sliding rule, stateful drafters refused, queries captured from attention
+that bypasses transformers' attention interface.
+"""
+
+import functools
+import logging
+
+import pytest
+import torch
+from tiny_families import ALL_FAMILIES, MORE_FAMILIES, family_pair, more_config
+from tiny_models import COMMON, random_prompt
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
+
+from hf_budgetdraft import BudgetedCache, SinkWindowCache, query_capture, record_speculation
+from hf_budgetdraft.cache import SparseDraftLayer, StaticDraftLayer, get_policy
+from hf_budgetdraft.cache import base as cache_base
+from hf_budgetdraft.generation.mtp import (
+    expose_mtp_layers,
+    new_mtp_head,
+    save_pretrained_with_mtp,
+    windowed_mtp_cache,
+)
+
+PROMPT_LENGTH, NEW_TOKENS = 240, 32
+CACHES = {
+    "sink_window": ("sink_window", {"num_sink_tokens": 4, "window_length": 32, "slack": 8}),
+    "budgeted-chunk": ("budgeted", {"budget": 48, "policy": "chunk", "window_length": 16}),
+}
+QUERY_CACHES = {
+    "snapkv": ("budgeted", {"budget": 32, "policy": "snapkv", "policy_kwargs": {"window_size": 8}}),
+    "chunk-last_query": (
+        "budgeted",
+        {
+            "budget": 48,
+            "policy": "chunk",
+            "window_length": 16,
+            "policy_kwargs": {"query_proxy": "last_query"},
+        },
+    ),
+}
+NOTHING_TO_SPARSIFY = {"mistral-all-sliding"}
+
+
+@functools.cache
+def _target_greedy(family: str) -> torch.Tensor:
+    target, _ = family_pair(family)
+    return target.generate(random_prompt(PROMPT_LENGTH), do_sample=False, max_new_tokens=NEW_TOKENS)
+
+
+def _speculate(family: str, implementation: str, cache_config: dict):
+    target, drafter = family_pair(family)
+    with record_speculation() as stats:
+        out = target.generate(
+            random_prompt(PROMPT_LENGTH),
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            cache_implementation=implementation,
+            cache_config=cache_config,
+        )
+    return out, stats
+
+
+def _check_cell(family: str, implementation: str, cache_config: dict) -> None:
+    out, stats = _speculate(family, implementation, cache_config)
+    expected = _target_greedy(family)
+    assert torch.equal(out, expected), f"first diff at {(out != expected).nonzero()[:1].tolist()}"
+    accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
+    if family in NOTHING_TO_SPARSIFY:  # the drafter is the target on its own cache: every draft is accepted
+        assert accepted == proposed > 0
+    else:  # the check can fail: the sparse draft both agreed and disagreed with the target
+        assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("cache_name", list(CACHES))
+@pytest.mark.parametrize("family", list(MORE_FAMILIES))
+def test_greedy_identical_on_every_family(family, cache_name):
+    _check_cell(family, *CACHES[cache_name])
+
+
+@pytest.mark.parametrize("cache_name", list(QUERY_CACHES))
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_query_scored_policies_on_every_family(family, cache_name):
+    _check_cell(family, *QUERY_CACHES[cache_name])
+
+
+# -- hybrid drafters: convolution states kept as transformers keeps them, rolled back exactly ------------------------
+def _step_logits(model, cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    """Feed `tokens` `(1, n)` one at a time at positions `start..`; the last step's logits `(V,)`."""
+    for i in range(tokens.shape[1]):
+        position = torch.tensor([[start + i]])
+        logits = model(tokens[:, i : i + 1], cache=cache, position_ids=position, use_cache=True).logits
+    return logits[0, -1]
+
+
+def _draft_cache(model, kind: str, static: bool):
+    if kind == "sink_window":
+        cache = SinkWindowCache(model.config, num_sink_tokens=4, window_length=16, slack=8, static=static)
+    else:
+        cache = BudgetedCache(model.config, budget=32, window_length=16, slack=8, static=static)
+    cache.activate_past_recording()  # as the candidate generator does
+    return cache
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("kind", ["sink_window", "budgeted"])
+@pytest.mark.parametrize("family", ["lfm2", "inkling"])
+@torch.no_grad()
+def test_convolution_state_rolls_back_exactly(family, kind, static):
+    """Drafting 3 tokens then `crop(-3)` leaves the cache exactly as if they were never drafted: the next step's
+    logits equal those of a cache that never saw them (attention keys and convolution states alike)."""
+    model, _ = family_pair(family)
+    if static:
+        model.set_attn_implementation("budgetdraft_varlen")
+    prompt, wrong, right = random_prompt(80), random_prompt(3, seed=7), random_prompt(2, seed=8)
+    caches = [_draft_cache(model, kind, static) for _ in range(2)]
+    for cache in caches:
+        model(prompt, cache=cache, use_cache=True)
+    _step_logits(model, caches[0], wrong, start=80)
+    caches[0].crop(-3)
+    rolled_back = _step_logits(model, caches[0], right, start=80)
+    never_drafted = _step_logits(model, caches[1], right, start=80)
+    assert torch.equal(rolled_back, never_drafted)
+    conv_layer, attention_layer = caches[0].layers  # lfm2: conv, attention; inkling: hybrid_sliding, hybrid
+    assert isinstance(conv_layer, LinearAttentionLayer)
+    assert isinstance(attention_layer, StaticDraftLayer if static else SparseDraftLayer)
+    # a "hybrid" layer is both: sparse attention keys and a convolution state
+    assert isinstance(attention_layer, LinearAttentionLayer) == (family == "inkling")
+
+
+@pytest.mark.parametrize("family", ["lfm2", "inkling"])
+def test_hybrid_drafter_with_a_window_covering_everything_drafts_as_stock(family):
+    """A window longer than the context reads every key: each round drafts and accepts what stock assisted
+    generation (a full `DynamicCache` with transformers' own rollback) drafts and accepts. Dynamic layers, on the
+    drafter's own sdpa attention (`budgetdraft_varlen`, which a static cache needs, does not add Inkling's
+    relative position bias)."""
+    target, drafter = family_pair(family)
+    ids = random_prompt(PROMPT_LENGTH)
+    with record_speculation() as native:
+        expected = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS)
+    window = {"num_sink_tokens": 4, "window_length": 4096, "static": False}
+    out, windowed = _speculate(family, "sink_window", window)
+    assert torch.equal(out, expected)
+    assert windowed.accepted_per_round == native.accepted_per_round
+    assert windowed.proposed_per_round == native.proposed_per_round
+
+
+def test_stateful_drafter_is_refused_at_its_first_rollback():
+    """A recurrent state (qwen3_next's gated delta net) cannot be rolled back: refused, as transformers refuses a
+    stateful model in assisted generation (stock assisted generation would draft on from a state it never undid)."""
+    config = AutoConfig.for_model(
+        "qwen3_next",
+        **{**COMMON, "num_hidden_layers": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    drafter = AutoModelForCausalLM.from_config(config).eval()
+    target, _ = family_pair("llama")
+    with pytest.raises(ValueError, match="layer 0 .* holds a recurrent state .* refuses stateful models"):
+        target.generate(
+            random_prompt(40),
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=8,
+            cache_implementation="sink_window",
+            cache_config={"num_sink_tokens": 4, "window_length": 16},
+        )
+
+
+def test_unknown_layer_type_is_refused():
+    config = more_config("lfm2")
+    config.layer_types = ["conv", "mamba_attention"]
+    with pytest.raises(ValueError, match="layer 1 of 'lfm2' is 'mamba_attention'.*has no cache layer"):
+        SinkWindowCache(config)
+
+
+# -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------
+@pytest.fixture
+def fresh_log(monkeypatch, caplog):
+    monkeypatch.setattr(cache_base, "_logged", set())
+    caplog.set_level(logging.WARNING, logger=cache_base.__name__)
+    return caplog
+
+
+def _nothing_sparsified(records) -> list[str]:
+    return [r.getMessage() for r in records if "nothing is sparsified" in r.getMessage()]
+
+
+def test_all_sliding_drafter_keeps_its_own_cache_and_logs_once(fresh_log):
+    config = more_config("mistral-all-sliding")
+    caches = [
+        SinkWindowCache(config, window_length=8),
+        BudgetedCache(config, budget=64),
+        SinkWindowCache(config),
+    ]
+    for cache in caches:
+        assert all(
+            type(layer) is DynamicSlidingWindowLayer and layer.sliding_window == 24 for layer in cache.layers
+        )
+    assert len(_nothing_sparsified(fresh_log.records)) == 2  # once per cache class
+    assert "'mistral' has no full-attention layer" in _nothing_sparsified(fresh_log.records)[0]
+
+
+@pytest.mark.parametrize("window_length", [8, 4096])  # smaller and larger than the model's window of 24
+def test_all_sliding_drafter_drafts_exactly_as_stock(window_length):
+    """Whatever window is asked for, an all-sliding drafter reads its own sliding window: the rounds are stock
+    assisted generation's, round for round."""
+    target, drafter = family_pair("mistral-all-sliding")
+    ids = random_prompt(PROMPT_LENGTH)
+    with record_speculation() as native:
+        expected = target.generate(ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS)
+    out, windowed = _speculate(
+        "mistral-all-sliding", "sink_window", {"num_sink_tokens": 4, "window_length": window_length}
+    )
+    assert torch.equal(out, expected)
+    assert windowed.accepted_per_round == native.accepted_per_round
+
+
+@torch.no_grad()
+def test_all_sliding_drafter_cache_is_bounded_by_its_window():
+    model, _ = family_pair("mistral-all-sliding")
+    sizes = []
+    for context in (64, 256):
+        cache = SinkWindowCache(model.config, window_length=8)
+        model(random_prompt(context), cache=cache, use_cache=True)
+        sizes.append(cache.nbytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+# -- windowed MTP on a natively sliding MTP layer (Mellum) ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def mellum(tmp_path_factory):
+    """A tiny random Mellum (sliding + full main layers) with one random sliding MTP layer, saved and reloaded."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "mellum",
+        **{**COMMON, "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 24, "num_mtp_layers": 1},
+        layer_types=["sliding_attention", "full_attention"],
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    path = tmp_path_factory.mktemp("mellum")
+    save_pretrained_with_mtp(model, new_mtp_head(model, 1), path)
+    return expose_mtp_layers(AutoModelForCausalLM.from_pretrained(path)).eval()
+
+
+def test_windowed_mtp_on_a_sliding_mtp_layer_runs_natively(mellum, fresh_log):
+    ids = random_prompt(200)
+    expected = mellum.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    with record_speculation() as native:
+        native_out = mellum.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, use_mtp=True)
+    with record_speculation() as windowed:
+        out = mellum.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config={"num_sink_tokens": 4, "window_length": 8},
+        )
+    assert torch.equal(out, expected) and torch.equal(native_out, expected)
+    assert windowed.rounds > 0 and windowed.proposed_per_round == native.proposed_per_round
+    assert windowed.accepted_per_round == native.accepted_per_round
+    messages = _nothing_sparsified(fresh_log.records)
+    assert len(messages) == 1 and messages[0].startswith(
+        "WindowedMtpCache: 'mellum' has no full-attention layer"
+    )
+    cache = windowed_mtp_cache(mellum, {"num_sink_tokens": 4, "window_length": 8})
+    assert [type(layer) for layer in cache.layers] == [DynamicSlidingWindowLayer]
+
+
+# -- query capture for attention that bypasses transformers' AttentionInterface (Falcon) -----------------------------
+def _falcon_queries(model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every Falcon attention layer's prefill queries `(1, H, L, D)`, RoPE applied, times 1/sqrt(D), recomputed
+    from the layer's own weights (the oracle the captured queries must equal)."""
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    queries, hooks = {}, []
+
+    def record(module, args, kwargs):
+        query, key, _ = module._split_heads(module.query_key_value(args[0]))  # (B, L, H, D)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, L, D)
+        query, _ = apply_rotary_pos_emb(query, key, *kwargs["position_embeddings"])
+        queries[module.layer_idx] = query * module.head_dim**-0.5
+
+    for layer in model.transformer.h:
+        hooks.append(layer.self_attention.register_forward_pre_hook(record, with_kwargs=True))
+    with torch.no_grad():
+        model(ids, cache=DynamicCache(config=model.config), use_cache=True)
+    for hook in hooks:
+        hook.remove()
+    return queries
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "chunk-last_query"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # F.scaled_dot_product_attention / query @ key^T
+@torch.no_grad()
+def test_query_capture_without_attention_interface_delivers_the_true_queries(attention, policy):
+    model, _ = family_pair("falcon", attention)
+    assert not model._can_set_attn_implementation()  # Falcon's attention calls torch directly
+    name, options = policy.split("-")[0], QUERY_CACHES[policy][1]["policy_kwargs"]
+    ids = random_prompt(PROMPT_LENGTH)
+    reference = DynamicCache(config=model.config)
+    model(ids, cache=reference, use_cache=True)
+    queries = _falcon_queries(model, ids)
+    cache = BudgetedCache(model.config, budget=48, policy=name, policy_kwargs=options)
+    with query_capture(model):
+        model(ids, cache=cache, use_cache=True)
+    oracle = get_policy(name, **options)
+    for idx, layer in enumerate(cache.layers):
+        keys, window = reference.layers[idx].keys, queries[idx][:, :, -oracle.query_window :]
+        assert torch.equal(layer.kept_positions, oracle.select(keys, 48, window))
+        if name == "snapkv":  # the queries matter: other queries (the last keys) select otherwise
+            assert not torch.equal(layer.kept_positions, oracle.select(keys, 48, keys[:, :, -8:]))
