@@ -280,6 +280,8 @@ class BatchedSpeculation:
         return any(bool(c(ids, None).any()) for c in criteria)
 
     def _drop(self, finished: torch.Tensor) -> None:
+        if not bool(finished.any()):
+            return
         keep = (~finished).nonzero()[:, 0]
         self.rows = self.rows[keep]
         for cache in (self.target_cache, self.draft_cache):

@@ -1,0 +1,107 @@
+"""Batched speculative decoding on the bundled pair: throughput against batched AR and a full-cache draft.
+
+    python benchmarks/batched.py --threads 2
+
+Held-out text: the licence texts Debian ships in /usr/share/common-licenses (outside the corpus: no bundled model
+saw them) followed by the bundled held-out play (King John); row i of a batch is a passage at an offset spread over
+that stream, its length drawn from [7/8, 1] of the context (ragged, left-padded). Per cell, every method runs on
+the same batch, back to back, in an order that rotates with the repeat (`hf_budgetdraft.eval.batched`):
+
+- `ar`: batched AR on the fast target (`budgetdraft_sdpa` + `GrowableCache`);
+- `speculative`: `target.generate(batch, attention_mask=mask, assistant_model=drafter,
+  cache_implementation="budgeted")` with every default (budget 512, window 256, adaptive draft length);
+- `full_draft`: the same loop, the drafter reading its full (ragged) cache.
+
+Three parts: the goal cells (8K x B 4 and 8, 16K x B 4; all methods; repeats), the scaling grid (AR vs the one-liner),
+and sampling at T = 0.8. Writes `benchmarks/results/batched_<part>.{json,md}`. Run it alone: a second busy process
+on 2 cores stalls torch's threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
+from hf_budgetdraft.demo import load_demo_models
+from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.eval.batched import BATCH_METHODS, batched_grid, grid_markdown, summarise_grid
+
+LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# part -> (contexts and their batch sizes, methods, new tokens, repeats, sampling)
+PARTS = {
+    "goals": ({8192: [4, 8], 16384: [4]}, BATCH_METHODS, 128, 2, None),
+    "scaling": (
+        {2048: [1, 2, 4, 8, 16], 8192: [1, 2, 4, 8, 16], 16384: [1, 2, 8]},
+        ("ar", "speculative"),
+        64,
+        1,
+        None,
+    ),
+    "sampling": ({8192: [4]}, ("ar", "speculative"), 128, 2, {"temperature": 0.8}),
+}
+
+
+def held_out_stream(tokenizer) -> torch.LongTensor:
+    found = [Path("/usr/share/common-licenses", name) for name in LICENCES]
+    prose = "\n\n".join(p.read_text(encoding="utf-8") for p in found if p.is_file())
+    text = prose + "\n\n" + DEMO_TEXT.read_text(encoding="utf-8")
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
+def run_part(name: str, demo, stream: torch.LongTensor, threads: int) -> None:
+    cells, methods, new_tokens, repeats, sampling = PARTS[name]
+    records = []
+    began = time.perf_counter()
+    for context, batch_sizes in cells.items():
+        records += batched_grid(
+            demo.target, demo.drafter, stream, [context], batch_sizes, new_tokens, repeats, methods, sampling
+        )
+        print(
+            f"{name}: {context} done after {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True
+        )
+    rows = summarise_grid(records)
+    meta = {
+        "command": " ".join(sys.argv),
+        "part": name,
+        "threads": threads,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "sampling": sampling,
+        "stream_tokens": stream.numel(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds": time.perf_counter() - began,
+    }
+    (RESULTS / f"batched_{name}.json").write_text(
+        json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1)
+    )
+    title = (
+        f"Batched decoding, {name}: bundled pair, held-out text, {threads} threads, {new_tokens} new tokens a row, "
+        f"{repeats} interleaved repeat(s){', sampling T=0.8' if sampling else ', greedy'}"
+    )
+    (RESULTS / f"batched_{name}.md").write_text(grid_markdown(rows, title))
+    print(grid_markdown(rows, title), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    demo = load_demo_models()
+    stream = held_out_stream(demo.tokenizer)
+    for part in args.parts:
+        run_part(part, demo, stream, args.threads)
+
+
+if __name__ == "__main__":
+    main()
