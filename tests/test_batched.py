@@ -258,3 +258,16 @@ def test_bad_batched_input_is_refused():
         left_padding(mask[:1], ids)
     with pytest.raises(ValueError, match="single-sequence"):
         target.generate(ids, attention_mask=mask, cache_config={"static": True}, **call)
+
+
+@pytest.mark.parametrize("family", ["mistral-all-sliding", "gpt_oss", "qwen3_moe"])
+def test_batched_greedy_on_more_families(family):
+    """An all-sliding drafter (kept native), attention sinks + sliding layers, a MoE: batched rows stay the target's."""
+    from tiny_families import family_pair
+
+    target, drafter = family_pair(family)
+    ids, mask, _ = padded_batch([110, 60, 90], seed=7)
+    expected = greedy(target, ids, mask)
+    for cache in sorted(CACHES):
+        out = greedy(target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache])
+        assert torch.equal(out, expected), cache

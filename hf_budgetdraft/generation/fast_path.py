@@ -207,7 +207,11 @@ def resolve_plan(
     length, source, threshold, start = _draft_length(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
-    fast_verify = spec.fast_verify and target.config._attn_implementation == "sdpa"
+    fast_verify = (
+        spec.fast_verify
+        and target.config._attn_implementation == "sdpa"
+        and target._can_set_attn_implementation()  # (Falcon-style attention ignores the switch)
+    )
     return DraftPlan(
         spec=spec.replace(static=static, compile=compiled, draft_length=length),
         draft_length_source=source,

@@ -20,9 +20,14 @@ import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.utils import logging
+
 from ..cache import BudgetedCache, SinkWindowCache
+from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 
+logger = logging.get_logger(__name__)
 CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
 DRAFT_CACHES = tuple(CACHE_CLASSES)
 AUTO = "auto"
@@ -147,7 +152,15 @@ class DraftSpec:
         return CACHE_CLASSES[self.cache](config=config, **self.cache_kwargs(static))
 
     def build_ragged_cache(self, config, batch_size: int, capacity: int):
-        """The batched (one length per row) form of this spec's draft cache, for `batch_size` rows."""
+        """The batched (one length per row) form of this spec's draft cache, for `batch_size` rows. A model with no
+        full-attention layer (all sliding) keeps its own bounded layers, as the single-sequence caches do."""
+        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        if "full_attention" not in layer_types:
+            logger.warning_once(
+                f"{config.model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}): a batch "
+                "drafts on its own sliding windows, nothing is sparsified"
+            )
+            return RaggedCache(config, batch_size, capacity)
         options = self.cache_kwargs(static=False)
         options.pop("static")
         cls = RaggedBudgetedCache if self.cache == "budgeted" else RaggedSinkWindowCache
