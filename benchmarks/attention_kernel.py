@@ -7,7 +7,7 @@ more tokens adds is `G * (q - 1)` rows over the same past. This script times tha
 context lengths and reports its throughput, `4 * H_kv * rows * context * D` flops (QKᵀ and PV), next to a
 `--gemm-size`³ fp32 matmul on the same threads (what the cores can do), and fits `ms = a + b * rows` per context: a
 slope `b` that carries most of the time says the kernel is compute-bound for these rows, so a verification of
-`q` tokens cannot cost about one decode step once `G * q * context` is large (issue 6's q = 8 at 16K).
+`q` tokens cannot cost about one decode step once `G * q * context` is large (e.g. q = 8 at 16K).
 
 Run it alone (no other busy process: on 2 cores a second one stalls torch's threads):
     python benchmarks/attention_kernel.py --threads 2 --output-dir bench-out

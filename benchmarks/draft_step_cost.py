@@ -95,7 +95,7 @@ def main() -> None:
         model = load_demo_models().drafter
         if max(args.contexts) + args.steps > model.config.max_position_embeddings:
             parser.error(f"the demo drafter's positions end at {model.config.max_position_embeddings}")
-    else:  # the drafter of shared/MEASURED.md
+    else:  # a random drafter of the shape `random_llama_config` documents
         model = LlamaForCausalLM(random_llama_config(2, max(args.contexts) + args.steps + 1)).eval()
     config = model.config
     static_model = copy.deepcopy(model)  # same weights, on the attention a static cache needs

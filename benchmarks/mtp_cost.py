@@ -53,8 +53,7 @@ from transformers.modeling_layers import MtpModel
 
 import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import GrowableCache, cache_nbytes
-from hf_budgetdraft.cache import GrowableLayer
-from hf_budgetdraft.generation.mtp import WindowedMtpCache
+from hf_budgetdraft.cache import GrowableLayer, WindowedMtpCache
 
 SHAPES = {
     # MoE fields: transformers builds GLM-4 MTP layers as MoE blocks whatever `first_k_dense_replace` says; the

@@ -2,9 +2,9 @@
 
 Speculative decoding pays only if verifying γ+1 tokens costs about one decode step. On CPU, stock transformers
 (`sdpa` + `DynamicCache`) does not get there at long context: it repeats the whole GQA KV cache on the masked path
-and copies the whole cache on every append (shared/MEASURED.md: 7.4x at 16K for 5 tokens). This script measures
-each target setup (attention implementation + cache) on a random-weight 27M-parameter Llama (hidden 512, 8 layers,
-8 query / 2 KV heads — the target of shared/MEASURED.md):
+and copies the whole cache on every append. This script measures each target setup (attention implementation +
+cache) on a random-weight 27M-parameter Llama (hidden 512, 8 layers, 8 query / 2 KV heads; results in
+`benchmarks/results/verify_cost*.md`):
 
 - `stock`: `attn_implementation="sdpa"` + `DynamicCache` (transformers' default);
 - `fast`: `attn_implementation="budgetdraft_sdpa"` + `GrowableCache` (this package);
@@ -16,7 +16,7 @@ interleaved rounds (setups and block sizes in a rotating order), each setup runs
 are of medians, with 95% bootstrap intervals over rounds (paired: one round gives both numerator and denominator).
 Also checked: the `fast` logits equal the `stock` ones (max |diff| reported). `--dtype bfloat16` runs the same
 model in bf16 (`verify_cost_bfloat16.{json,md}`): on CPUs with AMX the bf16 attention kernel makes the grouped rows
-of a verification far cheaper than in fp32, where they are compute-bound. Goal (issue 6): verifying ≤ 8 tokens at
+of a verification far cheaper than in fp32, where they are compute-bound. Goal: verifying ≤ 8 tokens at
 16K costs ≤ 1.5x a one-token step.
 
 Run it alone (no other busy process: on 2 cores a second one stalls torch's threads) and report the threads:

@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 
 def random_llama_config(num_hidden_layers: int, max_position_embeddings: int) -> LlamaConfig:
-    """Hidden 256, GQA 8:2 query/KV heads, RoPE base 1e6 — the drafter shape of shared/MEASURED.md."""
+    """Hidden 256, GQA 8:2 query/KV heads, RoPE base 1e6: the random drafter shape of the cost benchmarks
+    (`benchmarks/draft_step_cost.py`)."""
     return LlamaConfig(
         vocab_size=2048,
         hidden_size=256,
@@ -87,8 +88,8 @@ def smoke_pair(
     """A tiny random Llama target (2 layers) and a drafter that partly agrees with it, built in memory.
 
     The drafter is the target plus Gaussian noise of `drafter_noise` x each weight matrix's standard deviation:
-    on a full cache it accepts ~70% of its drafts (not 100%, as an exact copy would), and reading a sparse cache
-    lowers that further — more so at longer context and smaller budget. Both models are `eval()`, fp32, sdpa.
+    on a full cache it accepts most but not all of its drafts (an exact copy would accept every one), and reading a
+    sparse cache lowers that further — more so at longer context and smaller budget. Both models are `eval()`, fp32, sdpa.
 
     Args:
         seed (`int`): weights seed (the noise uses `seed + 1`).

@@ -10,7 +10,7 @@ seen while sequences stay short (an explicit all-ones attention mask keeps trans
 packed-sequence boundary).
 
 What did not work (v1-v8; the bundled target's model card has the list): general copy (induction) heads never
-formed within ~45-minute CPU runs, and a "copy head" that did form in 100 steps on segments written twice at a
+formed in the CPU runs tried, and a "copy head" that did form in 100 steps on segments written twice at a
 fixed offset was a positional head (it copied from 33 tokens back and collapsed to chance as soon as the offset
 changed). Scoring the passkey's answer alone, on many short passkey rows a step, is what taught retrieval.
 
@@ -58,8 +58,8 @@ def target_config(tokenizer, max_position: int, qk_norm: bool = False) -> Glm4Mo
         head_dim=32,
         partial_rotary_factor=0.5,
         # RoPE base 1e4 on half of each head's dims: with a 1e6 base only 2 of the 8 rotary frequencies resolve
-        # neighbouring tokens, and after 700 steps no head attended to its previous token (measured: <= 0.05 of
-        # the attention mass in layers 0-2), so copy heads could not form; long range comes from the unrotated half
+        # neighbouring tokens and no previous-token head formed (the model card's attempt s2 v4), so copy heads
+        # could not form; long range comes from the unrotated half
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         use_qk_norm=qk_norm,
         max_position_embeddings=max_position,
@@ -124,8 +124,8 @@ class Sampler:
             answer = sample.answer_ids[0].tolist() + [self.tokenizer.eos_token_id]
             ids = (prompt + answer + self._text(total))[:total]
             # only the answer is scored: the haystack is text the text rows already teach, and diluted among
-            # ~1,000 haystack tokens the answer's few tokens taught nothing (measured: 0 % passkey in v1-v7);
-            # scored alone, a 2-layer toy learned the retrieval in 400 steps
+            # ~1,000 haystack tokens the answer's few tokens taught nothing (the model card's attempts v1-v7);
+            # scored alone, the retrieval is learnt (v9)
             mask = (
                 [0] * (len(prompt) - 1) + [1] * len(answer) + [0] * (length - len(prompt) - len(answer) + 1)
             )
@@ -223,8 +223,7 @@ def main() -> None:
         "--lengths",
         # the 128-token phase (32 rows a step, mostly passkeys, see --mix) is where retrieval was learnt: at 512
         # tokens, 5 passkey rows a step, the answer loss sat at chance for 300 steps; longer rows then teach it to
-        # stay sharp among more haystack tokens (not in the bundled run: 250 more steps of 2,048-token rows, 9 in 10
-        # passkeys, moved passkey @4K/@16K from 60/30% to 80/40% on 10 keys)
+        # stay sharp among more haystack tokens (longer rows after the bundled run: the model card's "after v9")
         default="0:256,450:512,700:128,1300:512,1600:1024",
         help="from-step:row-length pairs (4,096 tokens a step)",
     )

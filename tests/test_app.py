@@ -4,14 +4,12 @@ input into a message in the page instead of an exception."""
 
 import threading
 import time
-import types
 
 import pytest
 import torch
 
 pytest.importorskip("gradio", reason="the demo app needs the `app` extra: pip install 'hf-budgetdraft[app]'")
 
-from hf_budgetdraft import demo as demo_package  # noqa: E402
 from hf_budgetdraft.app import AppArguments  # noqa: E402
 from hf_budgetdraft.app.app import (  # noqa: E402
     RUN_INPUTS,
@@ -24,7 +22,9 @@ from hf_budgetdraft.app.app import (  # noqa: E402
     run_event,
 )
 from hf_budgetdraft.app.backend import (  # noqa: E402
+    DEFAULT_MODEL,
     MODEL_DEMO,
+    MODEL_DEMO_BASE,
     MODEL_LOCAL,
     MODEL_SMOKE,
     MODEL_SMOKE_MTP,
@@ -35,7 +35,6 @@ from hf_budgetdraft.app.backend import (  # noqa: E402
     RunRequest,
     chunk_origins,
     compare,
-    default_model,
     model_choices,
     stream_generate,
     token_origins,
@@ -205,27 +204,18 @@ def test_streaming_yields_growing_columns(store):
     assert snapshots[-1] == (24, 24, True) and not any(done for *_, done in snapshots[:-1])
 
 
-def test_bundled_demo_models_are_picked_up_when_they_land(monkeypatch, store):
-    target, drafter = smoke_pair(seed=1, max_position_embeddings=2048)
-    fake = types.SimpleNamespace(tokenizer=store.get(MODEL_SMOKE).tokenizer, target=target, base_drafter=None)
-    fake.drafter = drafter
-    monkeypatch.setattr(demo_package, "load_demo_models", lambda: fake, raising=False)
-    assert model_choices()[0][1] == MODEL_DEMO and default_model() == MODEL_DEMO
+def test_the_bundled_pair_is_the_default_and_runs(store):
+    assert DEFAULT_MODEL == MODEL_DEMO
+    keys = [MODEL_DEMO, MODEL_DEMO_BASE, MODEL_SMOKE, MODEL_SMOKE_MTP, MODEL_LOCAL]
+    assert [key for _, key in model_choices()] == keys
+    assert [key for _, key in model_choices(allow_local=False)] == keys[:-1]
     blocks = build_app(LIMITS, ModelStore(LIMITS))
     dropdown = next(b for b in blocks.blocks.values() if getattr(b, "elem_id", None) == "model")
     assert dropdown.value == MODEL_DEMO
-    demo_store = ModelStore(LIMITS)
-    out = final(demo_store, model=MODEL_DEMO)
-    assert out["status"].startswith("Done") and out["raw"]["random_weights"] is False
-    assert "Bundled demo pair" in out["stats"] and out["raw"]["greedy_check"]["identical"]
-    assert "no base drafter" in message(demo_store, model="demo_base")
-
-
-def test_without_bundled_models_the_smoke_pair_is_the_default(monkeypatch):
-    monkeypatch.delattr(demo_package, "load_demo_models", raising=False)
-    assert default_model() == MODEL_SMOKE
-    assert [key for _, key in model_choices()] == [MODEL_SMOKE, MODEL_SMOKE_MTP, MODEL_LOCAL]
-    assert MODEL_LOCAL not in [key for _, key in model_choices(allow_local=False)]
+    for model in (MODEL_DEMO, MODEL_DEMO_BASE):
+        out = final(store, model=model)
+        assert out["status"].startswith("Done") and out["raw"]["random_weights"] is False
+        assert "Bundled demo pair" in out["stats"] and out["raw"]["greedy_check"]["identical"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,7 +315,6 @@ def test_local_folders_refused_when_shared(store):
         (dict(method="lookahead"), "unknown method 'lookahead'"),
         (dict(method="budgeted", policy="h2o"), "unknown policy 'h2o'"),
         (dict(method="mtp_windowed"), "needs a model with MTP layers"),
-        (dict(model=MODEL_DEMO), "bundled demo models are not in this version"),
         (
             dict(source="needle_outside_window", context_length=64, window_length=48),
             "cannot build this context",
@@ -335,8 +324,7 @@ def test_local_folders_refused_when_shared(store):
         (dict(source="text", text="x" * (LIMITS.max_text_chars + 1)), "more than this app's limit"),
     ],
 )
-def test_bad_input_becomes_a_message(store, monkeypatch, overrides, expected):
-    monkeypatch.delattr(demo_package, "load_demo_models", raising=False)
+def test_bad_input_becomes_a_message(store, overrides, expected):
     assert expected in message(store, **overrides)
 
 

@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from attention_oracles import masked_sdpa_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import model_pair, random_prompt
@@ -22,6 +23,7 @@ from transformers import DynamicCache
 
 from hf_budgetdraft import query_capture, record_speculation
 from hf_budgetdraft.attention import varlen
+from hf_budgetdraft.attention.varlen import kernels
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
 
 
@@ -231,7 +233,7 @@ def test_sparse_varlen_equals_masked_sdpa(case, dtype):
     out = varlen.sparse_varlen_attention(
         query, key, value, valid, causal=causal, scale=0.4, backend="sdpa_packed"
     )
-    masked = varlen.masked_sdpa_reference(query, key, value, valid, causal=causal, scale=0.4)
+    masked = masked_sdpa_reference(query, key, value, valid, causal=causal, scale=0.4)
     naive = _naive_masked_attention(query, key, value, valid, causal, 0.4)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert out.shape == (batch, q_length, kv_heads * groups, value.shape[-1]) and out.dtype == dtype
@@ -247,7 +249,7 @@ def test_gradients_of_packed_path_equal_masked_sdpa():
     varlen.sparse_varlen_attention(
         *leaves, valid, causal=True, backend="sdpa_packed"
     ).square().sum().backward()
-    varlen.masked_sdpa_reference(*references, valid, causal=True).square().sum().backward()
+    masked_sdpa_reference(*references, valid, causal=True).square().sum().backward()
     for leaf, reference in zip(leaves, references, strict=True):
         torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-5, atol=1e-5)
         assert leaf.grad.abs().sum() > 0
@@ -284,7 +286,7 @@ def test_backend_resolution_on_cpu_and_errors():
     with varlen.use_backend("sdpa_packed"):
         assert varlen.current_backend() == "sdpa_packed"
     assert varlen.current_backend() == "auto"
-    assert varlen._torch_varlen_attn() is not None  # torch 2.13 ships torch.nn.attention.varlen.varlen_attn
+    assert varlen.torch_varlen_attn() is not None  # torch 2.13 ships torch.nn.attention.varlen.varlen_attn
 
 
 def _packed_problem():
@@ -327,7 +329,7 @@ def test_flash_attn_call_binds_to_its_signature(monkeypatch):
     _flash_attn_varlen_func.calls = 0
     fake.flash_attn_varlen_func = _flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.setattr(varlen, "resolve_backend", lambda name, query: "flash_attn")
+    monkeypatch.setattr(kernels, "resolve_backend", lambda name, query: "flash_attn")
     queries, packed, cu_q, max_q = _packed_problem()
     args = (queries, packed.keys, packed.values, cu_q, packed.cu_seqlens, max_q, packed.max_seqlen)
     out = varlen.varlen_attention(*args, causal=True, scale=0.3, backend="flash_attn")
@@ -336,7 +338,7 @@ def test_flash_attn_call_binds_to_its_signature(monkeypatch):
 
 
 def test_torch_varlen_call_binds_to_its_signature(monkeypatch):
-    real = varlen._torch_varlen_attn()
+    real = varlen.torch_varlen_attn()
     calls = []
 
     def checked(*args, **kwargs):
@@ -360,8 +362,8 @@ def test_torch_varlen_call_binds_to_its_signature(monkeypatch):
             scale=a["scale"],
         )
 
-    monkeypatch.setattr(varlen, "_torch_varlen_attn", lambda: checked)
-    monkeypatch.setattr(varlen, "resolve_backend", lambda name, query: "torch_varlen")
+    monkeypatch.setattr(kernels, "torch_varlen_attn", lambda: checked)
+    monkeypatch.setattr(kernels, "resolve_backend", lambda name, query: "torch_varlen")
     queries, packed, cu_q, max_q = _packed_problem()
     args = (queries, packed.keys, packed.values, cu_q, packed.cu_seqlens, max_q, packed.max_seqlen)
     for causal in (True, False):

@@ -11,7 +11,7 @@ from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfi
 
 import hf_budgetdraft  # noqa: F401  (registers the sparse cache implementations)
 from hf_budgetdraft import cache_nbytes, record_speculation
-from hf_budgetdraft.generation.dflash import WindowedDFlashCache
+from hf_budgetdraft.cache import WindowedDFlashCache
 
 VOCAB, HIDDEN, BLOCK = 96, 64, 4
 WINDOWED = {

@@ -9,13 +9,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_layers import MtpModel
 
 from hf_budgetdraft import cache_nbytes, record_speculation
+from hf_budgetdraft.cache import WindowedMtpCache
 from hf_budgetdraft.cache.static import StaticDraftLayer
-from hf_budgetdraft.generation.mtp import (
-    WindowedMtpCache,
-    expose_mtp_layers,
-    new_mtp_head,
-    save_pretrained_with_mtp,
-)
+from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
 MTP_FAMILIES = {
     "glm4_moe": dict(first_k_dense_replace=2, head_dim=16, num_key_value_heads=2),

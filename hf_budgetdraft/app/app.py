@@ -18,6 +18,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no teleme
 import gradio as gr  # noqa: E402
 
 from .backend import (  # noqa: E402
+    DEFAULT_MODEL,
     DEFAULT_SPEC,
     DRAFTER_METHODS,
     METHOD_LABELS,
@@ -31,7 +32,6 @@ from .backend import (  # noqa: E402
     RunRequest,
     Snapshot,
     compare,
-    default_model,
     model_choices,
 )
 from .config import HOST, AppArguments  # noqa: E402
@@ -207,7 +207,7 @@ def _model_controls(args: AppArguments) -> dict:
     with gr.Group():
         return {
             "model": gr.Dropdown(
-                model_choices(args.allow_local_models), value=default_model(), label="Models", elem_id="model"
+                model_choices(args.allow_local_models), value=DEFAULT_MODEL, label="Models", elem_id="model"
             ),
             "target_path": gr.Textbox(
                 label="Target folder (on the server)",

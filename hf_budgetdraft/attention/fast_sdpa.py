@@ -2,8 +2,8 @@
 
 Select it with `model.set_attn_implementation("budgetdraft_sdpa")` or `from_pretrained(...,
 attn_implementation="budgetdraft_sdpa")` (registered by `import hf_budgetdraft`). It computes what transformers'
-`sdpa` computes (same inputs, same `(attn_output, None)` output) without the two costs that make stock `sdpa`
-verification slow at long context on CPU (shared/MEASURED.md: 58% `aten::copy_` at 16K):
+`sdpa` computes (same inputs, same `(attn_output, None)` output) without the two copies that make stock `sdpa`
+verification slow at long context on CPU (`benchmarks/verify_cost.py`; `benchmarks/results/verify_cost.md`):
 
 - **GQA without repeating KV.** Stock `sdpa` repeats every KV head `num_key_value_groups` times whenever a mask is
   passed and `q_len > 1` — a copy of the whole cache per layer and step. Here the query heads of one KV head are
@@ -23,7 +23,6 @@ the model family's own `eager_attention_forward`.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
@@ -32,31 +31,17 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from .common import (
+    IGNORED_KWARGS,
+    eager_fallback,
+    grouped_attention,
+    needs_eager,
+    out_layout,
+)
+
 NAME = "budgetdraft_sdpa"
 
-# Keyword arguments the modeling files pass that change nothing for SDPA (the mask already encodes them).
-_IGNORED_KWARGS = frozenset(
-    {
-        "sliding_window",  # encoded in the mask (budgetdraft_sdpa_mask never skips a local mask)
-        "position_ids",
-        "cache_position",
-        "use_cache",
-        "layer_idx",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-        "output_attentions",
-        "output_hidden_states",  # passed down by generate(use_mtp=True)'s verification; attention ignores it
-        "return_dict",
-        "is_causal",
-        "position_embeddings",
-        "cache",
-        "past_key_values",
-    }
-)
-_EAGER_ONLY_KWARGS = ("softcap", "s_aux", "sinks")
-
+# aten's CPU flash kernel: returns the log-sum-exp next to the output, what the exact split-and-merge needs
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -123,48 +108,6 @@ def lower_right_causal_mask(q_length: int, kv_length: int, device: torch.device)
     q_pos = torch.arange(q_length, device=device)[:, None] + (kv_length - q_length)  # (q, 1)
     kv_pos = torch.arange(kv_length, device=device)[None, :]  # (1, kv)
     return (kv_pos <= q_pos)[None, None]  # (1, 1, q, kv)
-
-
-def _eager_for(module: torch.nn.Module) -> Callable:
-    family_eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if family_eager is None:
-        raise ValueError(
-            f"{type(module).__name__} asks for logit softcapping or attention sinks, which SDPA cannot compute, and "
-            f"its modeling file has no eager_attention_forward to fall back to; load the model with "
-            "attn_implementation='eager' instead of 'budgetdraft_sdpa'"
-        )
-    return family_eager
-
-
-def _as_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
-
-
-def _out_layout(attn_output: torch.Tensor) -> torch.Tensor:
-    # (B, H_q, q, D) -> (B, q, H_q, D), what every modeling file reshapes to (B, q, H_q * D)
-    return attn_output.transpose(1, 2).contiguous()
-
-
-def _grouped(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scaling,
-    key_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of `(B, H_q, q, D)` queries over `(B, H_kv, kv, D)` keys without repeating KV: the query heads of
-    each KV head folded into rows. `key_valid` `(1 or B, 1 or H_kv, q, kv)` bool, optional: the keys each query
-    may read (no causal mask otherwise). Returns `(B, H_q, q, D_v)`."""
-    batch, num_heads, q_length, _ = query.shape
-    groups = num_heads // key.shape[1]
-    # (B, H_kv, G*q, D): row g*q + i is query i of group member g
-    grouped = query.reshape(batch, key.shape[1], groups * q_length, query.shape[-1])
-    if key_valid is not None and q_length > 1:
-        key_valid = key_valid.repeat(1, 1, groups, 1)  # row g*q + i reads query i's keys
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=key_valid, scale=scaling)
-    return out.reshape(batch, num_heads, q_length, value.shape[-1])  # (B, H_q, q, D_v)
 
 
 def _split_past_and_block(
@@ -236,81 +179,92 @@ def budgetdraft_sdpa_attention_forward(
         `tuple[torch.Tensor, None]`: attention output `(B, q, H_q, D_v)` (contiguous) and no attention weights.
     """
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    q_length, kv_length = query.shape[2], key.shape[2]
     # Like stock sdpa, trust the mask for local windows (`budgetdraft_sdpa_mask` materialises every local mask).
-    # 1. features SDPA cannot compute: the family's own eager attention is the reference
-    eager_only = any(kwargs.get(name) is not None for name in _EAGER_ONLY_KWARGS) or isinstance(
-        getattr(module, "sinks", None), torch.Tensor
-    )
-    # 2. features stock sdpa handles and this fast path does not
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS)
-    needs_stock = (
-        dropout > 0 or kwargs.get("position_bias") is not None or kwargs.get("output_attentions") or unknown
-    )
-    if eager_only or needs_stock:
-        if attention_mask is None and is_causal and q_length > 1 and (eager_only or q_length < kv_length):
-            # spell out what `None` means: eager has no causal flag, stock sdpa would align it upper-left
-            attention_mask = lower_right_causal_mask(q_length, kv_length, query.device)
-        if eager_only:
-            return _eager_for(module)(
-                module,
-                query,
-                key,
-                value,
-                _as_additive(attention_mask, query.dtype),
-                dropout=dropout,
-                scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                **kwargs,
-            )
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
+    if needs_eager(module, kwargs) or _needs_stock_sdpa(dropout, kwargs):
+        return _reference_attention(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
-
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(
             f"budgetdraft_sdpa needs the query heads to be a multiple of the key/value heads, got "
             f"{num_heads} query heads and {num_kv_heads} key/value heads; check the model config"
         )
-    gqa = num_heads != num_kv_heads
-
-    # 3. a real mask (padding, sliding window, static cache, packing): masked SDPA, KV not repeated on CPU
     if attention_mask is not None:
-        if (
-            query.device.type != "cpu"
-        ):  # masked GQA may leave the fused kernels elsewhere: keep stock behaviour
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
-            )
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa
-        )
-        return _out_layout(out), None
+        return _masked_attention(module, query, key, value, attention_mask, scaling, is_causal, **kwargs)
+    return out_layout(_unmasked_attention(query, key, value, scaling, is_causal)), None
 
-    # 4. no mask: non-causal, one query, prefill, or a block of new tokens after a past
+
+def _needs_stock_sdpa(dropout: float, kwargs: dict) -> bool:
+    """Features stock `sdpa` handles and the fast paths do not: dropout, `position_bias`, `output_attentions`,
+    keyword arguments this module does not know."""
+    unknown = any(v is not None and k not in IGNORED_KWARGS for k, v in kwargs.items())
+    return (
+        dropout > 0
+        or kwargs.get("position_bias") is not None
+        or bool(kwargs.get("output_attentions"))
+        or unknown
+    )
+
+
+def _reference_attention(
+    module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The family's eager attention (softcapping, sinks) or stock `sdpa`, on the mask `None` stands for."""
+    eager_only = needs_eager(module, kwargs)
+    q_length, kv_length = query.shape[2], key.shape[2]
+    if attention_mask is None and is_causal and q_length > 1 and (eager_only or q_length < kv_length):
+        # spell out what `None` means: eager has no causal flag, stock sdpa would align it upper-left
+        attention_mask = lower_right_causal_mask(q_length, kv_length, query.device)
+    if eager_only:
+        return eager_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
+
+
+def _masked_attention(
+    module, query, key, value, attention_mask, scaling, is_causal, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """A real mask (padding, sliding window, static cache, packing): masked SDPA, KV not repeated on CPU."""
+    if query.device.type != "cpu":  # masked GQA may leave the fused kernels elsewhere: keep stock behaviour
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa
+    )
+    return out_layout(out), None
+
+
+def _unmasked_attention(query, key, value, scaling, is_causal: bool) -> torch.Tensor:
+    """No mask: non-causal, one query, a prefill, or a block of `q` new tokens after a past. `(B, H_q, q, D_v)`."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
     if not is_causal or q_length == 1:
-        return _out_layout(_grouped(query, key, value, scaling)), None
+        return grouped_attention(query, key, value, scaling)
     if q_length == kv_length:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return _out_layout(out), None
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
     if q_length > kv_length:
         raise ValueError(
             f"budgetdraft_sdpa got {q_length} queries but only {kv_length} keys with a causal module and no mask; "
             "the cache layer must return the new tokens' keys too (kv_length >= q_length)"
         )
     if _can_split(query, key, value):
-        return _out_layout(_split_past_and_block(query, key, value, scaling)), None
+        return _split_past_and_block(query, key, value, scaling)
     mask = lower_right_causal_mask(q_length, kv_length, query.device)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    return _out_layout(out), None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
 def register() -> None:

@@ -16,7 +16,6 @@ attention function. Two ways to catch that call, without re-deriving queries per
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import NamedTuple, Protocol
@@ -27,6 +26,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
+from .common import family_eager_attention
 from .fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
 from .varlen import budgetdraft_varlen_attention_forward, budgetdraft_varlen_mask
 
@@ -45,6 +45,8 @@ _SDPA_FUNCTIONS = {
 
 
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+# a capture of "eager" runs the module's own modeling-file eager attention (softcapping, sinks, ...)
+_NO_EAGER = "has no eager_attention_forward; use the sdpa capture instead"
 
 
 class QueryReceiver(Protocol):
@@ -83,23 +85,13 @@ def _deliver(pending: _Request, queries: torch.Tensor) -> None:
     pending.receiver.receive_queries(queries)  # (B, H_q, q_len, D), times the attention scaling
 
 
-def _eager_for(module: torch.nn.Module) -> Callable:
-    # Each modeling file defines its own eager attention (softcapping, sinks, ...): use the module's own.
-    family_eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if family_eager is None:
-        raise ValueError(
-            f"{type(module).__name__} has no eager_attention_forward; use the sdpa capture instead"
-        )
-    return family_eager
-
-
 def _make_capturing(base: str) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         pending = _request.get()
         if pending is not None and pending.layer_idx == getattr(module, "layer_idx", None):
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             _deliver(pending, query * scaling)
-        function = _SDPA_FUNCTIONS[base] if base in _SDPA_FUNCTIONS else _eager_for(module)
+        function = _SDPA_FUNCTIONS.get(base) or family_eager_attention(module, _NO_EAGER)
         return function(module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"{CAPTURE_PREFIX}{base}"

@@ -1,7 +1,7 @@
 """`GrowableCache`: a full KV cache whose append does not copy the whole cache.
 
-transformers' `DynamicLayer.update` is `torch.cat([keys, new])`: every step copies the whole cache (10% of a
-16K-context verification step on CPU, shared/MEASURED.md). A `GrowableLayer` keeps keys/values in a preallocated
+transformers' `DynamicLayer.update` is `torch.cat([keys, new])`: every step copies the whole cache, a cost that
+grows with context (`benchmarks/verify_cost.py --setups sdpa+growable` isolates it). A `GrowableLayer` keeps keys/values in a preallocated
 `(B, H, capacity, D)` buffer, writes the new tokens in place and returns a view of the first `length` positions;
 when the buffer is full it grows geometrically (x`growth_factor`), so appends cost O(new tokens) amortised.
 `crop(-n)` only moves the length back: exact, free, and what assisted generation does after every verification.

@@ -1,0 +1,44 @@
+"""Speculative decoding on sparse draft caches, as `integration.py` plugs it into transformers' `generate()`.
+
+- `spec`: `DraftSpec`, what a call asks for (cache, sizes, draft length, compile, fast verify);
+- `fast_path`: `DraftPlan`, that spec resolved for a target/drafter pair (static cache, compile, attention);
+- `candidate_generator`: `SparseDraftCandidateGenerator`, the drafter on its sparse cache inside assisted generation;
+- `draft_length`: how many tokens a round drafts (fixed, transformers' heuristic, adaptive);
+- `acceptance`: greedy and speculative-sampling acceptance of a round's drafts;
+- `batched`: the ragged batched loop (every row advances by its own accepted count);
+- `mtp`, `dflash`: the model's own MTP head / the DFlash block drafter on a sink + window cache;
+- `stats`: `record_speculation()`, per-round acceptance and cost of any speculative `generate()` call.
+"""
+
+from .acceptance import greedy_accept, speculative_accept
+from .batched import run_batched, run_sparse_batch
+from .candidate_generator import SparseDraftCandidateGenerator
+from .dflash import windowed_dflash_cache
+from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, HeuristicDraftLength
+from .fast_path import DraftPlan, draft_step_compile_config, resolve_plan
+from .mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp, windowed_mtp_cache
+from .spec import DraftSpec
+from .stats import SpeculationStats, record_speculation
+
+__all__ = [
+    "AdaptiveDraftLength",
+    "DraftLength",
+    "DraftPlan",
+    "DraftSpec",
+    "FixedDraftLength",
+    "HeuristicDraftLength",
+    "SparseDraftCandidateGenerator",
+    "SpeculationStats",
+    "draft_step_compile_config",
+    "expose_mtp_layers",
+    "greedy_accept",
+    "new_mtp_head",
+    "record_speculation",
+    "resolve_plan",
+    "run_batched",
+    "run_sparse_batch",
+    "save_pretrained_with_mtp",
+    "speculative_accept",
+    "windowed_dflash_cache",
+    "windowed_mtp_cache",
+]

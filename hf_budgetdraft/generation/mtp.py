@@ -1,15 +1,13 @@
-"""Windowed-MTP: the built-in MTP draft head reads only an attention sink + a recent window of its cache.
+"""Windowed-MTP glue and MTP-head utilities: the model's own MTP head drafts on a sink + window cache.
 
-Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts with `MtpModel` on an `MtpCache`,
-whose depth-k layer runs k+1 tokens ahead of the main model. `WindowedMtpCache` keeps those offsets on
-`SinkWindowLayer`s, so the draft's attention cost and memory stop growing with context; the target still verifies
-every token with full attention (lossless by construction). A window covering the whole context reproduces native
-MTP exactly.
+Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts with `MtpModel` on an `MtpCache`;
+`windowed_mtp_cache` builds the `WindowedMtpCache` (`hf_budgetdraft.cache.windowed`) that replaces it from
+`generate()`'s `cache_config`. The other helpers let a model of any depth load, train and save an MTP head.
 
 `cache_config={"static": True}` (with the model loaded with `attn_implementation="budgetdraft_varlen"`) keeps the
 ring in slot order: each draft step — and the step that absorbs a round's verified tokens — reads the sink + ring
 buffer in place under a slot mask instead of gathering `[sink, window, new]` into a fresh tensor, a copy of the
-whole window per step (at W = 4,032 on CPU 0.7-3.2 ms of a 10-14 ms step, benchmarks/mtp_cost.py).
+whole window per step (measured by `benchmarks/mtp_cost.py`, `benchmarks/results/mtp_cost_*.md`).
 """
 
 from __future__ import annotations
@@ -22,23 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 from transformers.modeling_layers import MtpModel
 
-from ..cache.sink_window import SinkWindowCache
-
-
-class WindowedMtpCache(SinkWindowCache):
-    """`MtpCache` semantics (depth-k queries and keys sit k+1 positions ahead) on sink + window ring layers.
-
-    An MTP layer that is natively sliding (Mellum's `mtp_layer_types=["sliding_attention"]`) keeps its own
-    sliding-window layer, as every `SparseDraftCache` keeps sliding layers: it is already bounded, so the
-    requested window is not applied to it (a Mellum head drafts exactly as native MTP does, and this is logged).
-    """
-
-    def get_query_offset(self, layer_idx: int = 0):
-        return super().get_query_offset(layer_idx) + layer_idx + 1
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        kv_length, kv_offset = super().get_mask_sizes(query_length, layer_idx)
-        return kv_length, kv_offset + layer_idx + 1
+from ..cache.windowed import WindowedMtpCache
 
 
 def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -> WindowedMtpCache:

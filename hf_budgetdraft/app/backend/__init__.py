@@ -21,6 +21,7 @@ from .compare import Snapshot, compare
 from .methods import decoding_kwargs, draft_spec, method_title, require_method, speculative_call
 from .prompts import Prompt, build_prompt, builtin_documents, read_upload
 from .request import (
+    DEFAULT_MODEL,
     DEFAULT_SPEC,
     DRAFTER_METHODS,
     METHOD_LABELS,
@@ -36,8 +37,6 @@ from .request import (
     UPLOAD_SUFFIXES,
     DemoInputError,
     RunRequest,
-    default_model,
-    demo_models_available,
     model_choices,
 )
 from .store import TOKENIZER_DIR, ModelPair, ModelStore, check_compatible, check_model_folder
@@ -45,6 +44,7 @@ from .streaming import RunProgress, stream_generate
 from .summary import full_kv_bytes, summarize
 
 __all__ = [
+    "DEFAULT_MODEL",
     "DEFAULT_SPEC",
     "DRAFTER_METHODS",
     "METHOD_LABELS",
@@ -75,8 +75,6 @@ __all__ = [
     "chunk_origins",
     "compare",
     "decoding_kwargs",
-    "default_model",
-    "demo_models_available",
     "draft_spec",
     "full_kv_bytes",
     "method_title",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ... import demo as demo_package
 from ...cache.policies import POLICIES
 from ...generation.spec import DraftSpec
 from ..config import AppArguments
@@ -18,6 +17,7 @@ MODEL_DEMO_BASE = "demo_base"
 MODEL_SMOKE = "smoke"
 MODEL_SMOKE_MTP = "smoke_mtp"
 MODEL_LOCAL = "local"
+DEFAULT_MODEL = MODEL_DEMO  # the bundled pair ships inside the package
 
 MODEL_LABELS = {
     MODEL_DEMO: "Bundled demo pair: target + BudgetDraft-trained drafter",
@@ -67,21 +67,10 @@ class DemoInputError(ValueError):
     """A visitor input the app refuses; the message says what was wrong and how to fix it."""
 
 
-def demo_models_available() -> bool:
-    """Whether this version bundles trained demo models (`hf_budgetdraft.demo.load_demo_models`)."""
-    return callable(getattr(demo_package, "load_demo_models", None))
-
-
 def model_choices(allow_local: bool = True) -> list[tuple[str, str]]:
-    """`(label, value)` pairs for the model selector: the bundled pair first when it exists, the random smoke
-    models always (they need nothing on disk), local folders when allowed."""
-    keys = [MODEL_DEMO, MODEL_DEMO_BASE] if demo_models_available() else []
-    keys += [MODEL_SMOKE, MODEL_SMOKE_MTP] + ([MODEL_LOCAL] if allow_local else [])
-    return [(MODEL_LABELS[key], key) for key in keys]
-
-
-def default_model() -> str:
-    return MODEL_DEMO if demo_models_available() else MODEL_SMOKE
+    """`(label, value)` pairs for the model selector, in `MODEL_LABELS` order: the bundled pair first, the random
+    smoke models (they need nothing on disk), local folders when allowed."""
+    return [(label, key) for key, label in MODEL_LABELS.items() if allow_local or key != MODEL_LOCAL]
 
 
 @dataclass
@@ -183,11 +172,6 @@ def _check_choices(request: RunRequest, limits: AppArguments) -> None:
     for name, options in (("model", MODEL_LABELS), ("source", SOURCE_LABELS), ("method", METHOD_LABELS)):
         if getattr(request, name) not in options:
             raise DemoInputError(f"unknown {name} {getattr(request, name)!r}; choose one of {list(options)}")
-    if request.model in (MODEL_DEMO, MODEL_DEMO_BASE) and not demo_models_available():
-        raise DemoInputError(
-            "the bundled demo models are not in this version yet (hf_budgetdraft.demo.load_demo_models() is "
-            "missing); choose the smoke pair or your own model folders"
-        )
     if request.model == MODEL_LOCAL and not limits.allow_local_models:
         raise DemoInputError(
             "this server does not load model folders by path (it was started with --share; restart it with "

@@ -229,8 +229,6 @@ class ModelStore:
     def _load_demo(self, model: str, key: str) -> ModelPair:
         demo = demo_package.load_demo_models()
         drafter = demo.base_drafter if model == MODEL_DEMO_BASE else demo.drafter
-        if drafter is None:
-            raise DemoInputError("the bundled demo models have no base drafter; choose the trained one")
         target = demo.target.eval()
         return ModelPair(
             key, MODEL_LABELS[model], demo.tokenizer, target, drafter.eval(), _num_mtp_layers(target)
