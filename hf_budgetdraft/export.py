@@ -1,5 +1,6 @@
-"""`hf-budgetdraft export --for vllm|sglang`: a trained drafter as a plain HF checkpoint a serving engine loads as
-its draft model, with the window the draft reads declared in its config, plus the engine's command line.
+"""A trained drafter as a plain HF checkpoint a serving engine loads as its draft model, with the window the draft
+reads declared in its config, plus the engine's command line (`export_drafter`; `hf-budgetdraft export --for
+vllm|sglang` on the command line).
 
 A Llama-architecture drafter is written as `MistralForCausalLM`: the same layers and weight names (Mistral is Llama
 without biases, plus a `sliding_window`), with `layer_types = ["sliding_attention"] * num_layers`. transformers loads a
@@ -21,16 +22,11 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
@@ -42,54 +38,10 @@ from .generation.spec import MAX_DRAFT_LENGTH, DraftSpec
 ENGINES = ("vllm", "sglang")
 MARKER = "serving.json"  # written by every export; `overwrite` only replaces a folder that holds it
 DEFAULT_WINDOW = DraftSpec(cache="sink_window").window_length
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Llama-architecture drafters whose weights a Mistral model holds unchanged (no attention/MLP bias, silu MLP)
 _FAMILIES = ("llama", "mistral", "ministral")
 _MISTRAL_FIELDS = set(MistralConfig.__dataclass_fields__)
-
-
-@dataclass
-class ExportArguments:
-    """What `hf-budgetdraft export` writes; with no `--drafter` it exports the bundled BudgetDraft drafter."""
-
-    engine: Literal["vllm", "sglang"] = field(
-        metadata={"aliases": ["--for"], "help": "The serving engine the snippet is for: vllm | sglang."}
-    )
-    output_dir: str = field(metadata={"help": "Folder to write the checkpoint into (new or empty)."})
-    drafter: str | None = field(
-        default=None,
-        metadata={"help": "Local HF folder of a Llama-architecture drafter (default: the bundled one)."},
-    )
-    tokenizer: str | None = field(
-        default=None,
-        metadata={"help": "Tokenizer folder to copy (default: the drafter's own, if it has one)."},
-    )
-    target: str | None = field(
-        default=None,
-        metadata={
-            "help": "Target model written into the command line (default: the bundled target's folder)."
-        },
-    )
-    window_length: int = field(
-        default=DEFAULT_WINDOW,
-        metadata={"help": "Past tokens each draft step reads (sink_window's W); the config says W + 1."},
-    )
-    num_sink_tokens: int = field(
-        default=0,
-        metadata={"help": "sglang only: sink tokens its draft-decode steps keep (vLLM's window has none)."},
-    )
-    num_speculative_tokens: int = field(default=6, metadata={"help": "Tokens the engine drafts a round."})
-    dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="float32", metadata={"help": "Weights' dtype on disk (float32 keeps merged weights exact)."}
-    )
-    overwrite: bool = field(
-        default=False, metadata={"help": "Replace OUTPUT_DIR if it holds an earlier export."}
-    )
-
-    def __post_init__(self):
-        check_options(self.engine, self.window_length, self.num_sink_tokens, self.num_speculative_tokens)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
 
 def check_options(engine: str, window_length: int, num_sink_tokens: int, num_speculative_tokens: int) -> None:
@@ -221,7 +173,7 @@ def _readme(engine: str, snippet: dict, window_length: int, num_sink_tokens: int
     )
 
 
-def _check_output_dir(path: Path, overwrite: bool) -> None:
+def check_output_dir(path: Path, overwrite: bool) -> None:
     """Refuse a file, a non-empty folder, or (with `overwrite`) a non-empty folder no export wrote."""
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"output_dir {str(path)!r} is a file; pass a folder path")
@@ -262,10 +214,10 @@ def export_drafter(
     check_options(engine, window_length, num_sink_tokens, num_speculative_tokens)
     if not isinstance(drafter, PreTrainedModel):
         raise TypeError(f"drafter must be a transformers PreTrainedModel, got {type(drafter).__name__}")
-    if dtype is not None and dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {list(_DTYPES.values())} or None, got {dtype!r}")
+    if dtype is not None and dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {list(DTYPES.values())} or None, got {dtype!r}")
     path = Path(output_dir).expanduser().resolve()
-    _check_output_dir(path, overwrite)
+    check_output_dir(path, overwrite)
     model = sliding_window_model(drafter, window_length)
     if dtype is not None:
         model = model.to(dtype)
@@ -304,70 +256,13 @@ def _write(
     (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
-def _load(args: ExportArguments):
-    """`(drafter, tokenizer or None, target for the command line)` the arguments name."""
-    if args.drafter is None:
-        from .demo import load_demo_models
-        from .demo.models import DEMO_DIR
-
-        demo = load_demo_models()
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else demo.tokenizer
-        return demo.drafter, tokenizer, args.target or str(DEMO_DIR / "target")
-    folder = Path(args.drafter)
-    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
-        raise ValueError(
-            f"{args.drafter!r} is a PEFT adapter; export the merged model (`hf-budgetdraft train` saves one beside "
-            "the adapter, or merge it with `merge_and_unload()` and save_pretrained)"
-        )
-    drafter = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, use_safetensors=True, local_files_only=True
-    ).eval()
-    return drafter, _optional_tokenizer(args.tokenizer or folder), args.target or "TARGET_MODEL"
-
-
-def _optional_tokenizer(path):
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
-        return None
-
-
-def export_command(args: ExportArguments) -> int:
-    """`hf-budgetdraft export`: write the checkpoint and print how to serve it."""
-    try:
-        _check_output_dir(
-            Path(args.output_dir).expanduser().resolve(), args.overwrite
-        )  # before loading anything
-        drafter, tokenizer, target = _load(args)
-        path = export_drafter(
-            drafter,
-            args.output_dir,
-            engine=args.engine,
-            window_length=args.window_length,
-            num_sink_tokens=args.num_sink_tokens,
-            num_speculative_tokens=args.num_speculative_tokens,
-            tokenizer=tokenizer,
-            target=target,
-            dtype=_DTYPES[args.dtype],
-            overwrite=args.overwrite,
-        )
-    except (FileExistsError, ValueError) as error:
-        print(f"hf-budgetdraft export: error: {error}", file=sys.stderr)
-        return 2
-    record = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    print(f"wrote {path} (MistralForCausalLM, sliding_window={record['sliding_window']} on every layer)")
-    if tokenizer is None:
-        print("no tokenizer found for the drafter: none written (the engines use the target's)")
-    print(f"serve it with {args.engine}:\n  {record['command']}")
-    return 0
-
-
 __all__ = [
+    "DTYPES",
     "ENGINES",
-    "ExportArguments",
+    "MARKER",
+    "check_output_dir",
     "check_options",
     "engine_snippet",
-    "export_command",
     "export_drafter",
     "sliding_window_config",
     "sliding_window_model",

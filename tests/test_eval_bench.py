@@ -12,9 +12,12 @@ from hf_budgetdraft.cache.base import SparseDraftLayer
 from hf_budgetdraft.cache.static import StaticDraftLayer
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.eval import bench
-from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, _bundled_tokenizer, run_bench
-from hf_budgetdraft.eval.report import PLOTS, REQUIRED_FIELDS, round_budget_rows
+from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, run_bench
+from hf_budgetdraft.eval.bench_models import bundled_tokenizer
+from hf_budgetdraft.eval.plots import PLOTS
+from hf_budgetdraft.eval.report import REQUIRED_FIELDS
 from hf_budgetdraft.eval.runners import MethodSpec, run_ar, sparse_cache_config
+from hf_budgetdraft.eval.summary import round_budget_rows
 from hf_budgetdraft.random_models import smoke_pair
 
 EXTRA_FIELDS = (
@@ -201,9 +204,7 @@ def accept_drafts_blindly(model):
 
 def test_injected_acceptance_fault_is_caught(tmp_path, monkeypatch, capsys):
     target, drafter = smoke_pair(max_position_embeddings=1024)
-    models = BenchModels(
-        _bundled_tokenizer(), {"target": accept_drafts_blindly(target)}, {"drafter": drafter}
-    )
+    models = BenchModels(bundled_tokenizer(), {"target": accept_drafts_blindly(target)}, {"drafter": drafter})
     monkeypatch.setattr(bench, "load_models", lambda args, mtp_dir: models)
     flags = ["--tasks", "document", "code", "--contexts", "256", "--methods", "native", "sink_window"]
     flags += [

@@ -7,16 +7,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_budgetdraft.eval.bench import TOKENIZER_DIR
+from hf_budgetdraft.corpus import Document, load_documents, stdlib_documents
+from hf_budgetdraft.eval.bench_models import TOKENIZER_DIR
 from hf_budgetdraft.eval.tasks import (
-    Document,
     build_sample,
     code_completion_sample,
     continuation_sample,
-    load_documents,
     needle_outside_window_sample,
     passkey_sample,
-    stdlib_documents,
 )
 
 NEW = 16

@@ -1,4 +1,5 @@
-"""The Gradio demo app: `hf-budgetdraft demo` or `python -m hf_budgetdraft.app` (needs the `app` extra).
+"""The Gradio demo app: `hf-budgetdraft demo` (`hf_budgetdraft.commands.demo`) or `python -m hf_budgetdraft.app`
+(needs the `app` extra).
 
 It serves a page on 127.0.0.1 where a visitor picks models (the bundled demo pair when this version has it, the
 random smoke pair always, or local model folders), a long context, and a speculative method, and sees plain AR and
@@ -18,19 +19,6 @@ from __future__ import annotations
 from .config import HOST, AppArguments
 
 
-def demo_command(args: AppArguments) -> int:
-    """Serve the demo page until interrupted (the `demo` sub-command of `hf-budgetdraft`)."""
-    try:
-        from .app import launch
-    except ImportError as error:
-        if (error.name or "").split(".")[0] in ("gradio", "gradio_client", "matplotlib"):
-            raise SystemExit(
-                f"hf-budgetdraft demo needs {error.name}: pip install 'hf-budgetdraft[app]'"
-            ) from None
-        raise
-    return launch(args)
-
-
 def build_app(*args, **kwargs):
     """`hf_budgetdraft.app.app.build_app` (imports Gradio on first use)."""
     from .app import build_app as _build_app
@@ -38,4 +26,4 @@ def build_app(*args, **kwargs):
     return _build_app(*args, **kwargs)
 
 
-__all__ = ["HOST", "AppArguments", "build_app", "demo_command"]
+__all__ = ["HOST", "AppArguments", "build_app"]

@@ -4,15 +4,21 @@ faster is it, where does the time go, and how much memory does it save (`hf-budg
 - `tasks`: seeded prompts — long-document continuation, code completion, passkey at a depth, a needle just outside
   a draft's window;
 - `runners`: one runner per method (AR, native assisted, sink_window, budgeted, prompt lookup, native / windowed
-  MTP), all timed and measured the same way;
+  MTP), each one `hf_budgetdraft.timing.timed_generate` call;
 - `greedy_diff`: differing tokens vs the target's own greedy output and the noise envelope;
 - `metrics`: Wilson and bootstrap intervals, the least-squares cost model;
-- `report`: results.json / results.csv / report.md / PNG plots;
-- `bench`: the interleaved grid and the `bench` command.
+- `bench_args`: `BenchArguments`, the flags and presets; `bench_models`: the models and corpus per preset;
+- `bench`: the interleaved grid (`run_bench`); `records`: one record per run;
+- `summary`: the records aggregated per cell, the phase fits; `report`: results.json / results.csv, with
+  `report_markdown` (report.md, the terminal summary) and `plots` (the PNGs);
+- `batched`: timed batched calls and the `--batch_sizes` grid.
 """
 
 from ..corpus import Document, load_documents, stdlib_documents
-from .bench import BenchArguments, BenchModels, BenchResult, run_bench
+from ..timing import RunResult
+from .bench import BenchResult, run_bench
+from .bench_args import BenchArguments
+from .bench_models import BenchModels
 from .greedy_diff import TokenDiff, divergence_margin, noise_envelope, token_diff
 from .metrics import (
     LineFit,
@@ -23,7 +29,7 @@ from .metrics import (
     paired_speedup,
     wilson_interval,
 )
-from .runners import MethodSpec, RunResult, run_method
+from .runners import MethodSpec, run_method
 from .tasks import (
     TASKS,
     TaskSample,

@@ -27,7 +27,7 @@ from ..cache.growable import GrowableCache
 from ..generation.batched import full_draft_cache
 from ..generation.fast_path import using_attention
 from ..generation.stats import SpeculationStats, record_speculation
-from .runners import _TimingStreamer
+from ..timing import ChunkTimer as _TimingStreamer
 
 BATCH_METHODS = ("ar", "speculative", "full_draft")
 

@@ -12,11 +12,10 @@
 | `prompt_lookup`                           | transformers' prompt-lookup decoding (n-gram drafts from the prompt)         |
 | `mtp`, cache `full` / `sink_window`       | `generate(use_mtp=True)`: native MTP vs Windowed-MTP (arXiv 2607.21535)       |
 
-Every run is greedy with exactly `new_tokens` new tokens (`min_new_tokens = max_new_tokens`), returns the
-generated tokens, its wall time (and the time to the first emitted tokens, read off a streamer, so decode
-throughput can be separated from the prefill), the per-round draft/verify times of `record_speculation`, the
-draft-side and target-side KV-cache bytes (`cache_nbytes` of the draft cache held by the candidate generator and of
-`return_dict_in_generate`'s `past_key_values`), the process's peak RSS and, on CUDA, the peak allocated memory.
+Every run is greedy with exactly `new_tokens` new tokens and is timed by `hf_budgetdraft.timing.timed_generate`
+(the same call the `generate` command and the app time): the generated tokens, the wall time and the time to the
+first emitted tokens, the per-round draft/verify times, the draft-side and target-side KV-cache bytes, the peak
+RSS and, on CUDA, the peak allocated memory.
 
 `budget` means the number of prefix keys the draft reads: `budgeted` keeps `budget` selected tokens per KV head;
 `sink_window` keeps `num_sink_tokens + window_length = budget`.
@@ -24,23 +23,14 @@ draft-side and target-side KV-cache bytes (`cache_nbytes` of the draft cache hel
 
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
-from ..attention.fast_sdpa import NAME as FAST_SDPA
-from ..cache.base import cache_nbytes
-from ..cache.growable import GrowableCache
-from ..generation.fast_path import draft_step_compile_config, using_attention
 from ..generation.spec import DraftSpec
-from ..generation.stats import SpeculationStats, record_speculation
+from ..timing import AR_SETUPS, RunResult, ar_setup, configure_drafter, timed_generate
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
-# plain-AR baselines besides the reference (see the module docstring)
-AR_SETUPS = ("stock", "growable", "fast")
 DRAFT_CACHES = ("none", "full", "sink_window", "budgeted")
 # the sparse caches' default rollback slack: a larger γ needs a larger slack
 DEFAULT_SLACK = DraftSpec().slack
@@ -138,129 +128,6 @@ class MethodSpec:
         return MethodSpec(self.method, "full", None, None, self.gamma, self.target, self.drafter)
 
 
-@dataclass
-class RunResult:
-    """One timed generation. Shapes: `new_ids` `(new_tokens,)` on CPU."""
-
-    new_ids: torch.LongTensor
-    seconds: float
-    first_token_seconds: float
-    first_chunk_tokens: int
-    stats: SpeculationStats
-    draft_cache_bytes: int
-    target_cache_bytes: int
-    peak_rss_bytes: int | None
-    cuda_peak_bytes: int | None
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.new_ids) / self.seconds
-
-    @property
-    def decode_tokens_per_second(self) -> float | None:
-        """Throughput after the first emitted chunk (excludes the prefill); `None` if nothing came after it."""
-        rest = len(self.new_ids) - self.first_chunk_tokens
-        duration = self.seconds - self.first_token_seconds
-        return rest / duration if rest > 0 and duration > 0 else None
-
-
-class _TimingStreamer(BaseStreamer):
-    """Records when each chunk of new tokens is emitted (generate() first puts the prompt, then new tokens)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.counts: list[int] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-        self.counts.append(int(value.numel()))
-
-    def end(self) -> None:
-        pass
-
-
-def peak_rss_bytes() -> int | None:
-    """The process's peak resident set size so far (monotone over a run), `None` where `resource` is missing."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS: bytes, Linux: KiB
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def _timed_generate(
-    model, input_ids: torch.LongTensor, new_tokens: int, sampling: dict | None = None, **kwargs
-) -> RunResult:
-    """One timed `generate()`: greedy, or sampled with `sampling` (e.g. `{"temperature": 0.8}`), exactly
-    `new_tokens` new tokens."""
-    kwargs = {"do_sample": False, **({"do_sample": True, **sampling} if sampling else {}), **kwargs}
-    device = input_ids.device
-    on_cuda = device.type == "cuda"
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    streamer = _TimingStreamer()
-    with record_speculation() as stats:
-        _synchronize(device)
-        start = time.perf_counter()
-        output = model.generate(
-            input_ids,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            return_dict_in_generate=True,
-            streamer=streamer,
-            **kwargs,
-        )
-        _synchronize(device)
-        seconds = time.perf_counter() - start
-    new_ids = output.sequences[0, input_ids.shape[1] :].cpu()
-    first = (streamer.times[0] - start) if streamer.times else seconds
-    draft_cache = stats.draft_cache
-    result = RunResult(
-        new_ids=new_ids,
-        seconds=seconds,
-        first_token_seconds=first,
-        first_chunk_tokens=streamer.counts[0] if streamer.counts else len(new_ids),
-        stats=stats,
-        draft_cache_bytes=cache_nbytes(draft_cache) if draft_cache is not None else 0,
-        target_cache_bytes=cache_nbytes(output.cache) if output.cache is not None else 0,
-        peak_rss_bytes=peak_rss_bytes(),
-        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
-    )
-    stats.candidate_generator = None  # drop the draft cache now that it is measured
-    return result
-
-
-def configure_drafter(
-    drafter, gamma: int | None, compiled: bool = False, confidence_threshold: float = 0.0
-) -> None:
-    """A constant draft length γ per round (no heuristic schedule); `confidence_threshold` > 0 ends a round early
-    once the draft's top token is less likely than that (so γ is the most a round drafts); `compiled`: the
-    drafter's one-token step is compiled (transformers' `CompileConfig`, read by `SparseDraftCandidateGenerator`).
-    `gamma=None` clears all of it, as a freshly loaded drafter has it: the call's own settings (a sparse cache's
-    `DraftSpec`, or transformers' defaults) decide."""
-    config = drafter.generation_config
-    if gamma is None:
-        config.num_assistant_tokens = config.num_assistant_tokens_schedule = None
-        config.assistant_confidence_threshold = config.compile_config = None
-        return
-    config.num_assistant_tokens = gamma
-    config.num_assistant_tokens_schedule = "constant"
-    config.assistant_confidence_threshold = confidence_threshold
-    # one static graph per draft-cache shape (budget)
-    config.compile_config = draft_step_compile_config(drafter.device) if compiled else None
-
-
 def sparse_cache_config(
     spec: MethodSpec, num_sink_tokens: int, budgeted_window_length: int, policy_kwargs: dict | None = None
 ) -> dict:
@@ -301,13 +168,10 @@ def run_ar(
 
     `setup="stock"` runs it with transformers' own `sdpa` attention (whatever the target was set to, restored
     after); `setup="growable"` on a `GrowableCache` sized for the call (in-place appends); `setup="fast"` both the
-    package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has)."""
-    if setup in ("growable", "fast"):
-        cache = GrowableCache(config=target.config, initial_capacity=input_ids.shape[1] + new_tokens)
-        with using_attention(target, FAST_SDPA if setup == "fast" else None):
-            return _timed_generate(target, input_ids, new_tokens, sampling, cache=cache)
-    with using_attention(target, "sdpa" if setup == "stock" else None):
-        return _timed_generate(target, input_ids, new_tokens, sampling)
+    package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has); see
+    `hf_budgetdraft.timing.ar_setup`."""
+    with ar_setup(target, setup, input_ids.shape[1] + new_tokens) as kwargs:
+        return timed_generate(target, input_ids, new_tokens, sampling=sampling, **kwargs)
 
 
 def run_assisted(
@@ -328,17 +192,19 @@ def run_assisted(
     stops a round's draft early on an unlikely token (γ is then the maximum). `gamma=None` with a sparse cache:
     the drafter's generation config is left alone and the call's `cache_config` (a `DraftSpec`) decides."""
     configure_drafter(drafter, gamma, compiled, confidence_threshold)
-    kwargs = {}
+    spec = None
     if cache_implementation is not None:
-        kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
-    return _timed_generate(target, input_ids, new_tokens, sampling, assistant_model=drafter, **kwargs)
+        spec = DraftSpec.from_cache_config(cache_implementation, cache_config)
+    return timed_generate(
+        target, input_ids, new_tokens, spec=spec, sampling=sampling, assistant_model=drafter
+    )
 
 
 def run_prompt_lookup(
     target, input_ids: torch.LongTensor, new_tokens: int, gamma: int, max_matching_ngram_size: int = 2
 ) -> RunResult:
     """transformers' prompt-lookup decoding: drafts of up to γ tokens copied after the last matching n-gram."""
-    return _timed_generate(
+    return timed_generate(
         target,
         input_ids,
         new_tokens,
@@ -359,7 +225,7 @@ def run_mtp(
     kwargs = {}
     if cache_implementation is not None:
         kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
-    return _timed_generate(model, input_ids, new_tokens, use_mtp=True, **kwargs)
+    return timed_generate(model, input_ids, new_tokens, use_mtp=True, **kwargs)
 
 
 def run_method(

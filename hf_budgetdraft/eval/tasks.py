@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..corpus import Document, load_documents, load_hub_documents, stdlib_documents  # noqa: F401  (eval's API)
+from ..corpus import Document
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 
+from ..quiet import peft_wrapping
 from .config import BudgetDraftConfig
 from .data import BudgetDraftCollator, check_row_lengths
 from .losses import (
@@ -148,7 +149,8 @@ class BudgetDraftTrainer(Trainer):
             from peft import PeftModel, get_peft_model
 
             if not isinstance(model, PeftModel):
-                model = get_peft_model(model, args.lora_config())
+                with peft_wrapping():  # peft reads a property transformers deprecated: its warning, not ours
+                    model = get_peft_model(model, args.lora_config())
         super().__init__(
             model=model,
             args=args,

@@ -12,31 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
-from ...cache.base import cache_nbytes
-from ...generation.stats import SpeculationStats, record_speculation
+from ...generation.stats import SpeculationStats
 from ...quiet import quiet_transformers
+from ...timing import timed_generate
 
 _GENERATE_LOCK = threading.Lock()  # one generate() at a time in this process, whatever the web server does
-
-
-class _QueueStreamer(BaseStreamer):
-    """Hands each emitted chunk to the app's thread. `generate()` first puts the prompt (skipped), then one chunk
-    per step: one token for AR, a round's accepted draft tokens plus the target's own token when speculating."""
-
-    def __init__(self, sink: queue.Queue):
-        self.sink = sink
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.sink.put(("chunk", value.reshape(-1).tolist(), time.perf_counter()))
-
-    def end(self) -> None:
-        pass
 
 
 class _StopWhen(StoppingCriteria):
@@ -120,56 +101,48 @@ def stream_generate(
 def _generate(
     events: queue.Queue, model, input_ids, generate_kwargs: dict, seed: int, stops, max_seconds
 ) -> None:
-    """The worker: put `("start", t)`, the streamer's chunks, then `("done", seconds, stats, draft bytes, target
-    bytes, stopped)`, or `("error", exception)`, on `events`."""
+    """The worker: put each emitted chunk as `("chunk", token ids, seconds since the start)`, then
+    `("done", RunResult, stopped)`, or `("error", exception)`, on `events`."""
+
+    def on_chunk(ids: list[int], seconds: float) -> None:
+        events.put(("chunk", ids, seconds))
+
     try:
         with _GENERATE_LOCK:
-            start = time.perf_counter()
-            events.put(("start", start))
-            torch.manual_seed(seed)
-            stopping = StoppingCriteriaList([_StopWhen(stops, start + max_seconds)])
-            with torch.inference_mode(), quiet_transformers(), record_speculation() as stats:
-                output = model.generate(
+            deadline = time.perf_counter() + max_seconds
+            stopping = StoppingCriteriaList([_StopWhen(stops, deadline)])
+            with quiet_transformers():
+                run = timed_generate(
+                    model,
                     input_ids,
-                    streamer=_QueueStreamer(events),
+                    seed=seed,
+                    on_chunk=on_chunk,
                     stopping_criteria=stopping,
-                    return_dict_in_generate=True,
                     **generate_kwargs,
                 )
-                seconds = time.perf_counter() - start
-            stopped = any(stop.is_set() for stop in stops) or time.perf_counter() > start + max_seconds
-            draft_cache = stats.draft_cache
-            draft_bytes = cache_nbytes(draft_cache) if draft_cache is not None else None
-            stats.candidate_generator = None  # drop the draft cache now that it is measured
-            target_bytes = cache_nbytes(output.cache) if output.cache is not None else None
-        events.put(("done", seconds, stats, draft_bytes, target_bytes, stopped))
+            stopped = any(stop.is_set() for stop in stops) or time.perf_counter() > deadline
+        events.put(("done", run, stopped))
     except BaseException as error:  # noqa: BLE001 - re-raised in the app's thread
         events.put(("error", error))
 
 
 def _progress(events: queue.Queue, max_new_tokens: int | None) -> Iterator[RunProgress]:
     """The worker's events as one `RunProgress`, yielded after every chunk and once more when done."""
-    progress, start = RunProgress(), math.nan
+    progress = RunProgress()
     while True:
         event = events.get()
-        if event[0] == "start":
-            start = event[1]
-        elif event[0] == "chunk":
-            _, ids, when = event
+        if event[0] == "chunk":
+            _, ids, seconds = event
             if not progress.tokens:
-                progress.first_chunk_seconds = when - start
+                progress.first_chunk_seconds = seconds
             progress.tokens.extend(ids)
             progress.chunk_sizes.append(len(ids))
             yield progress
         elif event[0] == "done":
-            (
-                _,
-                progress.seconds,
-                progress.stats,
-                progress.draft_cache_bytes,
-                progress.target_cache_bytes,
-                stopped,
-            ) = event
+            _, run, stopped = event
+            progress.seconds, progress.stats = run.seconds, run.stats
+            progress.draft_cache_bytes = run.draft_cache_bytes
+            progress.target_cache_bytes = run.target_cache_bytes
             under = max_new_tokens is not None and len(progress.tokens) < max_new_tokens
             progress.stopped = stopped and under
             progress.done = True

@@ -1,0 +1,370 @@
+"""`hf-budgetdraft generate`: speculative generation with a sparse draft cache, checked token for token against
+the target's own greedy output and timed against two plain-AR baselines (the target as loaded, and the package's
+fast AR) with `hf_budgetdraft.timing.timed_generate`. Several prompts (`--prompt_files`, `--batch_size`) run as one
+left-padded batch: batched AR, then the batched one-liner, per-row greedy diffs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..cache.base import MAX_CACHE_TOKENS
+from ..demo.documents import DEMO_TEXT
+from ..generation.spec import DraftSpec
+from ..random_models import random_pair
+from ..timing import RunResult, ar_setup, configure_drafter, timed_generate
+
+FULL_CACHE_GAMMA = 5  # --cache full: stock assisted generation drafts this many tokens a round
+
+
+@dataclass
+class _InputFlags:
+    """The models and the prompt(s)."""
+
+    target: str | None = field(
+        default=None, metadata={"help": "Local HF model folder of the target (safetensors)."}
+    )
+    drafter: str | None = field(default=None, metadata={"help": "Local HF model folder of the drafter."})
+    random_models: bool = field(
+        default=False,
+        metadata={
+            "help": "Use a small random Llama pair (no weights needed): checks the machinery, not quality."
+        },
+    )
+    demo_models: bool = field(
+        default=False,
+        metadata={
+            "help": "Use the bundled demo target and BudgetDraft drafter; without --prompt/--prompt_file the "
+            "prompt is the start of the bundled held-out play (Shakespeare's King John)."
+        },
+    )
+    prompt: str | None = field(
+        default=None, metadata={"help": "Prompt text (needs a tokenizer in --target)."}
+    )
+    prompt_file: str | None = field(default=None, metadata={"help": "Read the prompt from this text file."})
+    prompt_files: list[str] | None = field(
+        default=None,
+        metadata={"help": "Several prompt files: one batch, a row per file (batched speculation)."},
+    )
+    batch_size: int = field(
+        default=1,
+        metadata={
+            "help": "Rows generated at once; > 1 takes that many passages of the text (or random prompts) of "
+            "ragged lengths, left-padded (batched speculation). --prompt_files sets it to the file count."
+        },
+    )
+    context_length: int = field(
+        default=4096, metadata={"help": "Prompt tokens (random prompt, or truncate to)."}
+    )
+
+
+@dataclass
+class _DraftFlags:
+    """The draft cache and how a round drafts (unset: the `DraftSpec` defaults)."""
+
+    cache: str = field(
+        default="budgeted",
+        metadata={
+            "help": "Draft cache: budgeted (the default) | sink_window | full (stock assisted generation)."
+        },
+    )
+    budget: int | None = field(
+        default=None, metadata={"help": "budgeted: prefix tokens kept per KV head (512)."}
+    )
+    policy: str | None = field(
+        default=None, metadata={"help": "budgeted: chunk (default) | streaming | snapkv."}
+    )
+    num_sink_tokens: int | None = field(default=None, metadata={"help": "sink_window: sink tokens (64)."})
+    window_length: int | None = field(
+        default=None, metadata={"help": "Recent tokens the draft reads (sink_window 1024, budgeted 256)."}
+    )
+    draft_length: str = field(
+        default="adaptive",
+        metadata={
+            "help": "Tokens drafted a round: adaptive (default: chosen online, 0 = AR) | heuristic | an int."
+        },
+    )
+    static: str = field(default="auto", metadata={"help": "Static draft cache: auto | true | false."})
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "Compile the one-token draft step: auto (when it pays) | true (one untimed warm-up run compiles "
+            "it first: tens of seconds on CPU) | false."
+        },
+    )
+    fast_verify: bool = field(
+        default=True,
+        metadata={"help": "Verify on budgetdraft_sdpa when the target runs sdpa (same results)."},
+    )
+    assistant_confidence_threshold: float | None = field(
+        default=None,
+        metadata={"help": "End a round's draft at a token the drafter gives less than this probability."},
+    )
+
+
+@dataclass
+class _DecodingFlags:
+    """Decoding, the target's attention and the run."""
+
+    do_sample: bool = field(default=False, metadata={"help": "Sample instead of greedy decoding."})
+    temperature: float = field(default=1.0, metadata={"help": "With --do_sample: the temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "With --do_sample: nucleus sampling's p."})
+    top_k: int = field(default=50, metadata={"help": "With --do_sample: top-k (0: off)."})
+    target_attn_implementation: Literal["sdpa", "eager", "budgetdraft_sdpa"] = field(
+        default="sdpa",
+        metadata={"help": "The attention the target is loaded with (the reference AR runs on it)."},
+    )
+    max_new_tokens: int = field(default=64, metadata={"help": "Tokens to generate."})
+    threads: int = field(default=2, metadata={"help": "torch threads (set explicitly; see README)."})
+    seed: int = field(default=0, metadata={"help": "Seed for random models, prompts and sampling."})
+
+
+@dataclass
+class GenerateArguments(_DecodingFlags, _DraftFlags, _InputFlags):
+    """Flags of `hf-budgetdraft generate` (inputs, draft and decoding flags, in that order)."""
+
+    def __post_init__(self):
+        if self.cache not in ("sink_window", "budgeted", "full"):
+            raise ValueError(f"--cache must be sink_window, budgeted or full, got {self.cache!r}")
+        if not 1 <= self.context_length <= MAX_CACHE_TOKENS:
+            raise ValueError(
+                f"--context_length must be in [1, {MAX_CACHE_TOKENS}], got {self.context_length}"
+            )
+        if not 1 <= self.max_new_tokens <= 4096:
+            raise ValueError(f"--max_new_tokens must be in [1, 4096], got {self.max_new_tokens}")
+        threshold = self.assistant_confidence_threshold
+        if threshold is not None and not 0.0 <= threshold < 1.0:
+            raise ValueError(f"--assistant_confidence_threshold must be in [0, 1), got {threshold}")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0):
+            raise ValueError(
+                f"--temperature must be > 0, --top_p in (0, 1], --top_k >= 0; got {self.temperature}, "
+                f"{self.top_p}, {self.top_k}"
+            )
+        from ..generation.batched import MAX_BATCH_SIZE
+
+        if self.prompt_files:
+            self.batch_size = len(self.prompt_files)
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"--batch_size must be in [1, {MAX_BATCH_SIZE}], got {self.batch_size}")
+        if self.batch_size > 1 and self.cache == "full":
+            raise ValueError(
+                "--cache full is stock assisted generation, which is single-sequence; use a sparse cache"
+            )
+        if self.random_models + self.demo_models + bool(self.target and self.drafter) != 1:
+            raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
+        if self.cache != "full":
+            self.draft_spec()  # validate the draft options now, with the spec's own messages
+
+    def draft_spec(self) -> DraftSpec:
+        """The `DraftSpec` the flags describe (unset flags keep the spec's defaults)."""
+        switches = {"auto": "auto", "true": True, "false": False}
+        for name in ("static", "compile"):
+            if getattr(self, name) not in switches:
+                raise ValueError(f"--{name} must be auto, true or false, got {getattr(self, name)!r}")
+        length = self.draft_length
+        length = int(length) if length.isdigit() else length
+        given = {
+            "budget": self.budget,
+            "policy": self.policy,
+            "num_sink_tokens": self.num_sink_tokens,
+            "window_length": self.window_length,
+        }
+        options = {k: v for k, v in given.items() if v is not None}
+        return DraftSpec(
+            cache=self.cache,
+            static=switches[self.static],
+            compile=switches[self.compile],
+            draft_length=length,
+            fast_verify=self.fast_verify,
+            **options,
+        )
+
+    def sampling(self) -> dict | None:
+        if not self.do_sample:
+            return None
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+def _load_pair(args: GenerateArguments):
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, local_files_only=True).eval()
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    return load(args.target), load(args.drafter), tokenizer
+
+
+def _prompt_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> torch.LongTensor:
+    text = args.prompt
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            text = handle.read()
+    if text is None and args.demo_models:
+        text = DEMO_TEXT.read_text(encoding="utf-8")
+    if text is None:
+        generator = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab_size, (1, args.context_length), generator=generator)
+    if tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer: use --target/--drafter model folders")
+    return tokenizer(text, return_tensors="pt").input_ids[:, -args.context_length :]
+
+
+def generate_command(args: GenerateArguments) -> int:
+    torch.set_num_threads(args.threads)
+    target, drafter, tokenizer = _models(args)
+    target.set_attn_implementation(args.target_attn_implementation)
+    if args.batch_size > 1:
+        return _generate_batch(args, target, drafter, tokenizer)
+    ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
+    spec = args.draft_spec() if args.cache != "full" else None
+    # a sparse cache: the spec decides the draft length; --cache full: stock assisted generation's fixed γ
+    configure_drafter(drafter, None if spec is not None else FULL_CACHE_GAMMA)
+    if spec is not None and spec.compile is True:
+        print("compiling the draft step (one untimed warm-up run)", flush=True)
+        timed_generate(
+            target,
+            ids,
+            min(args.max_new_tokens, 16),
+            spec=spec,
+            sampling=args.sampling(),
+            assistant_model=drafter,
+        )
+    runs = _generate_runs(args, target, drafter, ids, spec)
+    return _report_generate(args, tokenizer, ids.shape[1], *runs)
+
+
+def _models(args: GenerateArguments):
+    """`(target, drafter, tokenizer or None)` the flags name."""
+    if args.random_models:
+        target, drafter = random_pair(args.seed, args.context_length + args.max_new_tokens + 1)
+        return target, drafter, None
+    if args.demo_models:
+        from ..demo import load_demo_models
+
+        demo = load_demo_models()
+        return demo.target, demo.drafter, demo.tokenizer
+    return _load_pair(args)
+
+
+def _generate_runs(
+    args: GenerateArguments, target, drafter, ids: torch.LongTensor, spec: DraftSpec | None
+) -> list[RunResult]:
+    """`[stock AR, fast AR, speculative]` runs of the same prompt; sampled runs are seeded alike."""
+    length, sampling = args.max_new_tokens, args.sampling()
+    runs = []
+    for setup in (None, "fast"):
+        with ar_setup(target, setup, ids.shape[1] + length) as kwargs:
+            runs.append(timed_generate(target, ids, length, sampling=sampling, seed=args.seed, **kwargs))
+    runs.append(
+        timed_generate(
+            target, ids, length, spec=spec, sampling=sampling, seed=args.seed, assistant_model=drafter
+        )
+    )
+    return runs
+
+
+def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar, fast_ar, spec) -> int:
+    new, stats = spec.new_ids, spec.stats
+    plan = stats.plan
+    print(f"prompt tokens: {prompt_length}  new tokens: {new.numel()}  draft cache: {args.cache}")
+    if plan is not None:
+        print(f"draft plan: {plan.spec} (draft length from {plan.draft_length_source})")
+    print(tokenizer.decode(new) if tokenizer is not None else f"token ids: {new.tolist()}")
+    diff = int((new != ar.new_ids).sum())
+    if args.do_sample:
+        print("sampling: the output keeps the target's distribution (speculative sampling); no greedy diff")
+    else:
+        verdict = "identical" if diff == 0 else "DIFFERENT"
+        print(f"greedy diff vs the target's own greedy output: {diff} tokens ({verdict})")
+    print(
+        f"rounds {stats.rounds} ({stats.ar_rounds} plain AR steps), mean accepted length "
+        f"{stats.mean_accepted_length:.2f}, acceptance rate {stats.acceptance_rate:.1%}, draft "
+        f"{stats.decode_draft_seconds:.2f} s + prefill {stats.draft_prefill_seconds:.2f} s, verify "
+        f"{stats.decode_verify_seconds:.2f} s + target prefill {stats.target_prefill_seconds:.2f} s"
+    )
+    for name, baseline in (("stock AR", ar), ("fast AR", fast_ar)):
+        decode = baseline.decode_tokens_per_second, spec.decode_tokens_per_second
+        decode_text = f"; decode {decode[1] / decode[0]:.2f}x ({decode[1]:.1f} vs {decode[0]:.1f} tok/s)"
+        print(
+            f"vs {name}: {spec.seconds:.2f} s vs {baseline.seconds:.2f} s, end to end "
+            f"{baseline.seconds / spec.seconds:.2f}x{decode_text if all(decode) else ''}"
+        )
+    print(f"(one run each, {args.threads} threads; benchmarks/ has measured ratios)")
+    return 0 if diff == 0 or args.do_sample else 1
+
+
+def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text."""
+    from ..eval.batched import ragged_batch
+
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    if args.prompt_files:
+        rows = []
+        for path in args.prompt_files:
+            with open(path, encoding="utf-8") as handle:
+                rows.append(
+                    tokenizer(handle.read(), return_tensors="pt").input_ids[0, -args.context_length :]
+                )
+        width = max(r.numel() for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - row.numel() :], mask[i, width - row.numel() :] = row, 1
+        return ids, mask
+    stream = _prompt_ids(
+        dataclasses.replace(args, context_length=MAX_CACHE_TOKENS, batch_size=1, prompt_files=None),
+        tokenizer,
+        vocab_size,
+    )[0]
+    if stream.numel() < args.context_length:  # random prompts: one long random stream
+        generator = torch.Generator().manual_seed(args.seed)
+        stream = torch.randint(0, vocab_size, (args.context_length * 2,), generator=generator)
+    return ragged_batch(stream, args.batch_size, args.context_length, pad_token_id=pad, seed=args.seed)
+
+
+def _generate_batch(args: GenerateArguments, target, drafter, tokenizer) -> int:
+    """The batched main job: batched AR on the fast target, then the batched one-liner; per-row greedy diffs."""
+    from ..eval.batched import run_batch
+
+    ids, mask = _batch_ids(args, tokenizer, target.config.vocab_size)
+    spec = args.draft_spec()
+    options = {
+        "cache_implementation": spec.cache,
+        "cache_config": spec.to_cache_config(),
+        "sampling": args.sampling(),
+    }
+    torch.manual_seed(args.seed)
+    ar = run_batch("ar", target, drafter, ids, mask, args.max_new_tokens, sampling=args.sampling())
+    torch.manual_seed(args.seed)
+    spec_run = run_batch("speculative", target, drafter, ids, mask, args.max_new_tokens, **options)
+    stats = spec_run.stats
+    print(
+        f"batch: {ids.shape[0]} rows, prompt tokens {mask.sum(-1).tolist()}, new tokens {args.max_new_tokens} each"
+    )
+    print(f"draft plan: {stats.plan.spec} (draft length from {stats.plan.draft_length_source})")
+    diffs = [int((spec_run.new_ids(i) != ar.new_ids(i)).sum()) for i in range(ids.shape[0])]
+    for i, row in enumerate(stats.rows):
+        text = (
+            tokenizer.decode(spec_run.new_ids(i)[:24])
+            if tokenizer is not None
+            else spec_run.new_ids(i)[:12].tolist()
+        )
+        print(
+            f"row {i}: {row.mean_accepted_length:.2f} tokens a round, latency {row.latency_seconds:.2f} s, "
+            f"greedy diff {'-' if args.do_sample else diffs[i]}: {text!r}"
+        )
+    decode = spec_run.decode_tokens_per_second, ar.decode_tokens_per_second
+    print(
+        f"throughput (all rows, decode): {decode[0]:.1f} vs batched AR {decode[1]:.1f} tok/s = {decode[0] / decode[1]:.2f}x"
+        f"; end to end {ar.seconds / spec_run.seconds:.2f}x ({spec_run.seconds:.2f} s vs {ar.seconds:.2f} s)"
+    )
+    if args.do_sample:
+        print("sampling: every row keeps the target's distribution (speculative sampling); no greedy diff")
+        return 0
+    verdict = "identical" if not any(diffs) else "DIFFERENT"
+    print(f"greedy diff vs batched AR: {sum(diffs)} tokens over {len(diffs)} rows ({verdict})")
+    print(f"(one run each, {args.threads} threads; benchmarks/ has measured ratios)")
+    return 0 if not any(diffs) else 1

@@ -1,0 +1,153 @@
+"""The models and documents one bench compares, per preset (`BenchModels`, `load_models`, `load_corpus`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..attention.varlen import NAME as VARLEN_NAME
+from ..corpus import Document, load_documents, load_hub_documents, stdlib_documents
+from .bench_args import MAX_GAMMA, BenchArguments
+
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
+
+
+@dataclass
+class BenchModels:
+    """The models one bench compares: targets by name (`"target"`, `"mtp"`), drafters by name."""
+
+    tokenizer: Any
+    targets: dict[str, Any]
+    drafters: dict[str, Any]
+    description: dict[str, str] = field(default_factory=dict)
+
+
+def bundled_tokenizer():
+    """The demo tokenizer shipped in the package (the smoke preset's)."""
+    from transformers import AutoTokenizer
+
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        raise FileNotFoundError(
+            f"the bundled tokenizer is missing from {TOKENIZER_DIR}; reinstall hf-budgetdraft"
+        )
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+def smoke_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
+    """The smoke preset's tiny pair (+ a tiny MTP model saved under `mtp_dir` when MTP is benchmarked)."""
+    from ..random_models import smoke_mtp_model, smoke_pair
+
+    positions = max(args.contexts) + args.new_tokens + MAX_GAMMA + 8
+    target, drafter = smoke_pair(seed=args.seed, max_position_embeddings=positions)
+    targets = {"target": target}
+    description = {
+        "target": "smoke_pair target (random Llama, 2 layers, hidden 64)",
+        "drafter": "target + 1% noise",
+    }
+    if "mtp" in args.methods and mtp_dir is not None:
+        targets["mtp"] = smoke_mtp_model(mtp_dir, seed=args.seed, max_position_embeddings=positions)
+        description["mtp"] = "smoke_mtp_model (random GLM-4-style, 2 dense layers + 2 random MTP layers)"
+    return BenchModels(bundled_tokenizer(), targets, {"drafter": drafter}, description)
+
+
+def demo_models() -> BenchModels:
+    """The bundled demo models (`hf_budgetdraft.demo.load_demo_models`)."""
+    from ..demo import load_demo_models
+
+    demo = load_demo_models()
+    return BenchModels(
+        demo.tokenizer,
+        {"target": demo.target, "mtp": demo.target},  # the target's own trained MTP layer drafts for `mtp`
+        {"base_drafter": demo.base_drafter, "drafter": demo.drafter},
+        {
+            "target": "bundled demo target (GLM-4-style, 7 dense layers, 9.9M)",
+            "mtp": "the bundled target with its trained MTP layer",
+            "drafter": "bundled BudgetDraft drafter (base drafter + BudgetDraft LoRA)",
+            "base_drafter": "bundled base drafter (Llama, distilled on a full cache)",
+        },
+    )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def full_models(args: BenchArguments) -> BenchModels:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..generation.mtp import expose_mtp_layers
+
+    def load(path: str):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(args.dtype)).eval()
+
+    targets = {"target": load(args.target)}
+    drafters = {"drafter": load(args.drafter)}
+    description = {"target": args.target, "drafter": args.drafter}
+    if args.base_drafter:
+        drafters["base_drafter"] = load(args.base_drafter)
+        description["base_drafter"] = args.base_drafter
+    if "mtp" in args.methods and args.mtp_model:
+        targets["mtp"] = expose_mtp_layers(load(args.mtp_model))
+        description["mtp"] = args.mtp_model
+    return BenchModels(
+        AutoTokenizer.from_pretrained(args.tokenizer or args.target), targets, drafters, description
+    )
+
+
+def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
+    if args.preset == "smoke":
+        models = smoke_models(args, mtp_dir)
+    elif args.preset == "demo":
+        models = demo_models()
+        if args.mtp_model:
+            from transformers import AutoModelForCausalLM
+
+            from ..generation.mtp import expose_mtp_layers
+
+            models.targets["mtp"] = expose_mtp_layers(
+                AutoModelForCausalLM.from_pretrained(args.mtp_model).eval()
+            )
+    else:
+        models = full_models(args)
+    for model in (*models.targets.values(), *models.drafters.values()):
+        model.to(device=args.device, dtype=_torch_dtype(args.dtype))
+    if args.target_attn_implementation is not None:
+        for model in models.targets.values():
+            model.set_attn_implementation(args.target_attn_implementation)
+    if args.compiled_draft:
+        for model in models.drafters.values():
+            model.set_attn_implementation(VARLEN_NAME)
+        # one graph per static-cache shape (budget) and drafter: room for the whole grid before dynamo gives up
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 4 * len(args.budgets) * len(models.drafters)
+        )
+    return models
+
+
+def load_corpus(args: BenchArguments) -> tuple[list[Document], str]:
+    """The documents of the `document`/`code` tasks and where they came from."""
+    if args.data_files:
+        return load_documents(args.data_files), f"files {args.data_files}"
+    if args.dataset_name:
+        documents = load_hub_documents(
+            args.dataset_name,
+            args.dataset_config_name,
+            args.dataset_split,
+            args.text_column,
+            args.max_documents,
+        )
+        return documents, f"datasets {args.dataset_name} ({args.dataset_split})"
+    if args.preset == "demo":
+        from ..demo.documents import demo_documents
+
+        return demo_documents()
+    if args.preset == "full":
+        if not args.tasks_from_preset and any(t in ("document", "code") for t in args.tasks):
+            raise ValueError(
+                "--preset full with the document/code tasks needs --data_files or --dataset_name"
+            )
+        return [], "none (no --data_files/--dataset_name: passkey tasks only)"
+    return stdlib_documents(), "Python standard library (pydoc topics + stdlib sources), offline"
