@@ -30,7 +30,42 @@ from .base import MAX_CACHE_TOKENS
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class RaggedFullLayer(CacheLayerMixin):
+class RaggedLayer(CacheLayerMixin):
+    """What the ragged layers share: buffers `(B, H, slots, D)` owned by a `RaggedCache`, which keeps the lengths."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, owner: RaggedCache):
+        super().__init__()
+        self.owner = owner
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        batch, heads = self.owner.num_rows, key_states.shape[1]
+        self.keys = key_states.new_zeros(batch, heads, slots, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, heads, slots, value_states.shape[-1])
+        self.is_initialized = True
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size() if self.is_initialized else 0
+
+
+class RaggedFullLayer(RaggedLayer):
     """Full KV of one layer for B rows of different lengths: `(B, H, capacity, D)`, position p in slot p.
 
     `update` writes the forward's tokens at the positions the owning `RaggedCache` computed and returns the first
@@ -38,22 +73,13 @@ class RaggedFullLayer(CacheLayerMixin):
     length, the sliding window's past).
     """
 
-    is_compileable = False
-    is_croppable = True
-
     def __init__(self, owner: RaggedCache, sliding_window: int | None = None):
-        super().__init__()
-        self.owner = owner
+        super().__init__(owner)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        batch, heads = self.owner.num_rows, key_states.shape[1]
-        capacity = max(self.owner.capacity, key_states.shape[-2])
-        self.keys = key_states.new_zeros(batch, heads, capacity, key_states.shape[-1])
-        self.values = value_states.new_zeros(batch, heads, capacity, value_states.shape[-1])
-        self.is_initialized = True
+        self._allocate(key_states, value_states, max(self.owner.capacity, key_states.shape[-2]))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Row prefill `(1, H, L, D)`: store in the row, return as given. Step `(B, H, q, D)`: write each row at its
@@ -81,24 +107,6 @@ class RaggedFullLayer(CacheLayerMixin):
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
             new[:, :, : old.shape[-2]] = old
             setattr(self, name, new)
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys, self.values = self.keys[rows], self.values[rows]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.mask_sizes(query_length)
-
-    def get_seq_length(self) -> int:
-        return self.owner.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return 2 * self.keys.numel() * self.keys.element_size()
 
 
 class RaggedStep:

@@ -18,32 +18,23 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.query_capture import cancel_request, request_queries
 from .base import check_size
 from .policies import KeepPolicy, get_policy
-from .ragged import RaggedCache, RaggedStep
+from .ragged import RaggedCache, RaggedLayer, RaggedStep
 
 
-class RaggedSlotLayer(CacheLayerMixin):
+class RaggedSlotLayer(RaggedLayer):
     """One full-attention layer of a batched sparse draft cache: `(B, H, S + W + slack, D)` slots."""
 
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
     def __init__(self, owner: RaggedSlotCache, layer_idx: int):
-        super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
-        self._pending: torch.Tensor | None = None  # prefill keys/values awaiting the prefill queries
+        super().__init__(owner)
+        self.layer_idx = layer_idx
+        self._pending: tuple | None = None  # a row prefill's keys/values awaiting its queries
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        batch, heads, slots = self.owner.num_rows, key_states.shape[1], self.owner.num_slots
-        self.keys = key_states.new_zeros(batch, heads, slots, key_states.shape[-1])
-        self.values = value_states.new_zeros(batch, heads, slots, value_states.shape[-1])
-        self.is_initialized = True
+        self._allocate(key_states, value_states, self.owner.num_slots)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Row prefill `(1, H, L, D)`: store the row's sink + window or kept prefix, return the states as given (the
@@ -69,22 +60,6 @@ class RaggedSlotLayer(CacheLayerMixin):
         row, keys, values = self._pending
         self._pending = None
         self.owner.select_prefix(self, row, keys, values, queries)
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys, self.values = self.keys[rows], self.values[rows]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.mask_sizes(query_length)
-
-    def get_seq_length(self) -> int:
-        return self.owner.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size() if self.is_initialized else 0
 
 
 class RaggedSlotCache(RaggedCache):

@@ -10,7 +10,7 @@ draft is only suspicious when it diverges where native does not — and since th
 target's cache or logits, any divergence beyond the envelope is a bug. On CPU fp32 every cell must be 0.
 
 For a nonzero diff, `divergence_margin` gives the target's own logit gap between the two tokens at the first
-divergence: a gap within ~10x the run-to-run logit noise (1e-5..2e-4 measured, see shared/MEASURED.md) is a
+divergence: a gap within ~10x the run-to-run logit noise (`bench`'s noise envelope measures it) is a
 near-tie, a large gap a real change.
 """
 
