@@ -269,5 +269,7 @@ def test_batched_greedy_on_more_families(family):
     ids, mask, _ = padded_batch([110, 60, 90], seed=7)
     expected = greedy(target, ids, mask)
     for cache in sorted(CACHES):
-        out = greedy(target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache])
+        out = greedy(
+            target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache]
+        )
         assert torch.equal(out, expected), cache
