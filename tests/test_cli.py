@@ -14,7 +14,7 @@ def _field(pattern: str, out: str) -> float:
     return float(match.group(1))
 
 
-def assert_generate_is_lossless(capsys, *args: str) -> None:
+def assert_generate_is_lossless(capsys, *args: str) -> str:
     """`hf-budgetdraft generate *args` exits 0, reports output identical to the target's own greedy output, and
     prints the prompt/new-token counts and the speculation statistics with values in their possible ranges."""
     code = main(["generate", *args, "--threads", "1"])
@@ -30,6 +30,7 @@ def assert_generate_is_lossless(capsys, *args: str) -> None:
     # every round yields the accepted drafts plus the target's own token: between 1 and gamma + 1
     assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= gamma + 1
     assert 0 <= _field(r"acceptance rate (\d+\.\d)%", out) <= 100
+    return out
 
 
 @pytest.mark.parametrize("cache", ["sink_window", "budgeted", "full"])
@@ -55,7 +56,7 @@ def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
     is reused by the timed one; `--assistant_confidence_threshold` ends drafts early; the output stays the target's."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert_generate_is_lossless(
+    out = assert_generate_is_lossless(
         capsys,
         "--random_models",
         "--context_length", "300",
@@ -68,6 +69,7 @@ def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
     )  # fmt: skip
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
+    assert "confidence threshold 0.05" in out  # the flag reaches the draft plan
     assert graphs == 1
 
 

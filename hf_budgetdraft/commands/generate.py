@@ -231,6 +231,7 @@ def generate_command(args: GenerateArguments) -> int:
             spec=spec,
             sampling=args.sampling(),
             assistant_model=drafter,
+            **_threshold(args),
         )
     runs = _generate_runs(args, target, drafter, ids, spec)
     return _report_generate(args, tokenizer, ids.shape[1], *runs)
@@ -260,10 +261,23 @@ def _generate_runs(
             runs.append(timed_generate(target, ids, length, sampling=sampling, seed=args.seed, **kwargs))
     runs.append(
         timed_generate(
-            target, ids, length, spec=spec, sampling=sampling, seed=args.seed, assistant_model=drafter
+            target,
+            ids,
+            length,
+            spec=spec,
+            sampling=sampling,
+            seed=args.seed,
+            assistant_model=drafter,
+            **_threshold(args),
         )
     )
     return runs
+
+
+def _threshold(args: GenerateArguments) -> dict:
+    """`--assistant_confidence_threshold` as the `generate()` argument the draft plan reads."""
+    threshold = args.assistant_confidence_threshold
+    return {} if threshold is None else {"assistant_confidence_threshold": threshold}
 
 
 def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar, fast_ar, spec) -> int:
@@ -271,7 +285,10 @@ def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar,
     plan = stats.plan
     print(f"prompt tokens: {prompt_length}  new tokens: {new.numel()}  draft cache: {args.cache}")
     if plan is not None:
-        print(f"draft plan: {plan.spec} (draft length from {plan.draft_length_source})")
+        print(
+            f"draft plan: {plan.spec} (draft length from {plan.draft_length_source}, confidence threshold "
+            f"{plan.confidence_threshold})"
+        )
     print(tokenizer.decode(new) if tokenizer is not None else f"token ids: {new.tolist()}")
     diff = int((new != ar.new_ids).sum())
     if args.do_sample:
