@@ -40,6 +40,7 @@ import torch
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.eval.batched import interval_text, number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted
 
 LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
@@ -141,12 +142,7 @@ def summarise(records: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    def ci(value):
-        return f"{value[0]:.2f} [{value[1]:.2f}, {value[2]:.2f}]" if value else ""
-
-    def num(value, digits=1):
-        return f"{value:.{digits}f}" if isinstance(value, (int, float)) else ""
-
+    ci, num = interval_text, number_text
     lines = [
         "# The one-liner against AR and hand-tuned settings",
         "",

@@ -275,13 +275,17 @@ def summarise_grid(records: list[dict], draws: int = 2000) -> list[dict]:
     return rows
 
 
+def interval_text(value) -> str:
+    """`(median, low, high)` as `"1.23 [1.10, 1.35]"`; empty for `None`."""
+    return f"{value[0]:.2f} [{value[1]:.2f}, {value[2]:.2f}]" if value else ""
+
+
+def number_text(value, digits: int = 1) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else ""
+
+
 def grid_markdown(rows: list[dict], title: str) -> str:
-    def ci(value):
-        return f"{value[0]:.2f} [{value[1]:.2f}, {value[2]:.2f}]" if value else ""
-
-    def num(value, digits=1):
-        return f"{value:.{digits}f}" if isinstance(value, (int, float)) else ""
-
+    ci, num = interval_text, number_text
     lines = [
         f"# {title}",
         "",
