@@ -446,3 +446,27 @@ def test_round_budget_rows_use_stock_ar_and_the_round_phases():
     assert at_4k["accepted_length_for_2x"] == pytest.approx(4.0)
     assert at_4k["full_acceptance_speedup"] == pytest.approx(7 * 10.0 / 20.0)
     assert (rows[8192]["baseline"], rows[8192]["accepted_length_for_2x"]) == ("AR", pytest.approx(4.0))
+
+
+def test_bench_batch_sizes_grid(tmp_path, capsys):
+    """`bench --batch_sizes`: batched AR, the batched one-liner and the full-cache draft per batch size; greedy rows
+    identical to batched AR, per-row latency and both caches' bytes recorded."""
+    code = main(
+        ["bench", "--preset", "smoke", "--batch_sizes", "1", "3", "--contexts", "96", "--new_tokens", "6",
+         "--repeats", "1", "--output_dir", str(tmp_path), "--progress", "false"]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "batched.json").read_text())
+    records = result["records"]
+    assert {(r["batch_size"], r["method"]) for r in records} == {
+        (b, m) for b in (1, 3) for m in ("ar", "speculative", "full_draft")
+    }
+    for r in records:
+        assert r["decode_tokens_per_second"] > 0 and r["row_latency_seconds"] > 0
+        if r["method"] != "ar":
+            assert r["rows_identical"] == r["batch_size"]
+            assert r["draft_cache_bytes"] > 0 and r["target_cache_bytes"] > 0
+    sparse = next(r for r in records if r["batch_size"] == 3 and r["method"] == "speculative")
+    full = next(r for r in records if r["batch_size"] == 3 and r["method"] == "full_draft")
+    assert sparse["draft_cache_bytes"] != full["draft_cache_bytes"]
+    assert "| 96 | 3 | speculative |" in (tmp_path / "batched.md").read_text()
