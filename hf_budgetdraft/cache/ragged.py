@@ -25,6 +25,7 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..attention.common import as_additive
 from .base import MAX_CACHE_TOKENS
 
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -209,7 +210,7 @@ class RaggedCache(Cache):
                     mask = mask & (key_pos > query_pos - layer.sliding_window)
             else:
                 mask = self._slot_mask(positions)
-            masks[layer_type] = additive_mask(mask[:, None], dtype)
+            masks[layer_type] = as_additive(mask[:, None], dtype)  # sdpa and eager both read it
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def _slot_mask(self, positions: torch.Tensor) -> torch.Tensor:
@@ -238,9 +239,3 @@ class RaggedCache(Cache):
         )
 
     reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool `True` = attend -> additive float mask (0 / dtype min), which sdpa and eager attention both read."""
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    return torch.where(visible, zero, torch.finfo(dtype).min)

@@ -315,7 +315,7 @@ def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar,
 
 def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text."""
-    from ..eval.batched import ragged_batch
+    from ..eval.batched import left_pad, ragged_batch
 
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     if args.prompt_files:
@@ -325,12 +325,7 @@ def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[tor
                 rows.append(
                     tokenizer(handle.read(), return_tensors="pt").input_ids[0, -args.context_length :]
                 )
-        width = max(r.numel() for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, width - row.numel() :], mask[i, width - row.numel() :] = row, 1
-        return ids, mask
+        return left_pad(rows, pad)
     stream = _prompt_ids(
         dataclasses.replace(args, context_length=MAX_CACHE_TOKENS, batch_size=1, prompt_files=None),
         tokenizer,

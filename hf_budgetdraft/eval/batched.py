@@ -160,15 +160,22 @@ def ragged_batch(
     ]
     span = max(1, stream.numel() - context)
     rows = [stream[(i * span) // max(1, batch_size) :][:n] for i, n in enumerate(lengths)]
-    ids = torch.full((batch_size, context), pad_token_id, dtype=torch.long)
+    return left_pad(rows, pad_token_id)
+
+
+def left_pad(rows: list[torch.LongTensor], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids (B, P), mask (B, P))`: 1-D token rows left-padded to the longest, `mask` 1 on real tokens."""
+    width = max(row.numel() for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, context - row.numel() :], mask[i, context - row.numel() :] = row, 1
+        ids[i, width - row.numel() :], mask[i, width - row.numel() :] = row, 1
     return ids, mask
 
 
-def record(run: BatchRun, reference: BatchRun | None) -> dict:
-    """A run's numbers for the grid (`reference`: the same batch's AR run, for the speed-up and greedy check)."""
+def record(run: BatchRun, reference: BatchRun | None, compare_tokens: bool = True) -> dict:
+    """A run's numbers for the grid (`reference`: the same batch's AR run, for the speed-up and, with
+    `compare_tokens` (greedy), the rows identical to it)."""
     out = {
         "method": run.method,
         "batch_size": run.batch_size,
@@ -188,6 +195,7 @@ def record(run: BatchRun, reference: BatchRun | None) -> dict:
     if reference is not None and run is not reference:
         ref, got = reference.decode_tokens_per_second, run.decode_tokens_per_second
         out["decode_vs_ar"] = got / ref if ref and got else None
+    if reference is not None and run is not reference and compare_tokens:
         out["rows_identical"] = sum(
             bool(torch.equal(run.new_ids(i), reference.new_ids(i))) for i in range(run.batch_size)
         )
@@ -227,10 +235,7 @@ def batched_grid(
                         progress.update(1)
                 reference = runs.get("ar")
                 for method in methods:
-                    row = record(runs[method], reference if not sampling else None)
-                    if reference is not None and sampling:
-                        ref, got = reference.decode_tokens_per_second, runs[method].decode_tokens_per_second
-                        row["decode_vs_ar"] = got / ref if ref and got and method != "ar" else None
+                    row = record(runs[method], reference, compare_tokens=not sampling)
                     if "full_draft" in runs and method == "speculative":
                         full = runs["full_draft"].decode_tokens_per_second
                         row["decode_vs_full_draft"] = (

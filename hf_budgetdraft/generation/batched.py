@@ -223,9 +223,9 @@ class BatchedSpeculation:
         index = self.prompt_lengths[self.rows] + self.generated[self.rows] - 1
         return self.tokens[self.rows, index]
 
-    def _verify(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft and verify one round: `(kept (B,), new tokens (B, γ + 1), draft logits or None)`; row b's new
-        tokens are `new[b, : kept[b] + 1]`."""
+    def _verify(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft and verify one round: `(kept (B,), new tokens (B, γ + 1))`; row b's new tokens are
+        `new[b, : kept[b] + 1]`."""
         batch = self.rows.shape[0]
         if gamma:
             drafts, draft_logits, limits = self._draft(gamma)
@@ -246,7 +246,7 @@ class BatchedSpeculation:
         self.target_cache.crop_rows(gamma - kept)
         if gamma:
             self.draft_cache.crop_rows((gamma - 1) - kept.clamp(max=gamma - 1))
-        return kept, new, draft_logits
+        return kept, new
 
     def _emit(self, kept: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Append each row's new tokens, cut by the stopping criteria; `(B,)` bool: rows that finished."""
@@ -268,16 +268,12 @@ class BatchedSpeculation:
             start = int(self.prompt_lengths[row] + self.generated[row])
             self.tokens[row, start : start + count] = new[b, :count]
             for k in range(1, count + 1) if others else ():
-                if self._stops(b, row, start + k, others):
+                ids = self._row_ids(b, new[b, :k])  # what stock generate() has after the k-th new token
+                if any(bool(c(ids, None).any()) for c in others):
                     counts[b], finished[b] = k, True
                     break
             self.generated[row] += int(counts[b])
         return finished
-
-    def _stops(self, index: int, row: int, end: int, criteria) -> bool:
-        start = int(self.prompt_lengths[row])
-        ids = torch.cat([self.prompt[row], self.tokens[row, start:end]])[None]
-        return any(bool(c(ids, None).any()) for c in criteria)
 
     def _drop(self, finished: torch.Tensor) -> None:
         if not bool(finished.any()):
@@ -316,7 +312,7 @@ class BatchedSpeculation:
         while self.rows.numel():
             gamma = draft_length.next_length()
             begin = time.perf_counter()
-            kept, new, _ = self._verify(gamma)
+            kept, new = self._verify(gamma)
             rows = self.rows.tolist()
             finished = self._emit(kept, new)
             end = time.perf_counter()
@@ -382,18 +378,28 @@ def _stack(drafts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, kwargs: dict):
-    """`_assisted_decoding` for a batch: check what the batched loop supports, run it, shape the result."""
-    asked = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
+def _refuse_unsupported(generation_config, kwargs: dict, what: str, only_with_dict: bool) -> None:
+    """The options a batched loop cannot honour (`only_with_dict`: the outputs count only when a dict is returned)."""
+    outputs = not only_with_dict or generation_config.return_dict_in_generate
+    asked = [name for name in _UNSUPPORTED_OUTPUTS if outputs and getattr(generation_config, name, False)]
     if asked:
         raise ValueError(
-            f"{asked} are not returned by batched speculative decoding (its rounds emit ragged tokens per row); "
-            "drop them, or generate one sequence at a time"
+            f"{asked} are not returned by {what} (its rounds emit ragged tokens per row); drop them, or generate one "
+            "sequence at a time"
         )
     if kwargs.get("streamer") is not None:
-        raise ValueError(
-            "a streamer takes one sequence; batched speculative decoding has several rows. Drop streamer="
-        )
+        raise ValueError(f"a streamer takes one sequence; {what} has several rows. Drop streamer=")
+
+
+def _output(sequences: torch.LongTensor, generation_config):
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, kwargs: dict):
+    """`_assisted_decoding` for a batch: check what the batched loop supports, run it, shape the result."""
+    _refuse_unsupported(generation_config, kwargs, "batched speculative decoding", only_with_dict=False)
     if target.config.is_encoder_decoder:
         raise ValueError("batched speculative decoding supports decoder-only targets")
     speculation = BatchedSpeculation(
@@ -407,27 +413,16 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
     sequences = speculation.run(
         input_ids, kwargs.get("attention_mask"), make_draft_length(plan), stats=active_recorder()
     )
-    if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
-    return sequences
+    return _output(sequences, generation_config)
 
 
 def run_sparse_batch(model, spec, input_ids, generation_config, kwargs: dict):
     """`_sample` for a left-padded batch on a sparse cache without a draft (the lossy mode): the target itself
     reads each row's sink + window or budgeted selection, one token a step."""
-    if generation_config.return_dict_in_generate and any(
-        getattr(generation_config, name, False) for name in _UNSUPPORTED_OUTPUTS
-    ):
-        raise ValueError(
-            f"{list(_UNSUPPORTED_OUTPUTS)} are not returned for a padded batch on a sparse cache; drop them"
-        )
-    if kwargs.get("streamer") is not None:
-        raise ValueError("a streamer takes one sequence; this padded batch has several rows. Drop streamer=")
+    _refuse_unsupported(generation_config, kwargs, "a padded batch on a sparse cache", only_with_dict=True)
     plan = DraftPlan(spec=spec.replace(static=False, compile=False, draft_length=0))
     decoding = BatchedSpeculation(
         model, None, plan, generation_config, kwargs.get("logits_processor"), kwargs.get("stopping_criteria")
     )
     sequences = decoding.run(input_ids, kwargs.get("attention_mask"), FixedDraftLength(0))
-    if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
-    return sequences
+    return _output(sequences, generation_config)
