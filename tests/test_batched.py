@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from test_sampling import chi_square, chi_square_quantile, warped
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
 from transformers import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, record_speculation
@@ -273,3 +274,28 @@ def test_batched_greedy_on_more_families(family):
             target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache]
         )
         assert torch.equal(out, expected), cache
+
+
+class _StopAfter(StoppingCriteria):
+    """Ends a row once it emits `token` (a criterion that is not EOS or a length, so it runs row by row)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_rows_stop_at_their_own_stopping_criterion():
+    """A stopped row is padded, as stock generate() pads it when the call has an EOS token (without one, stock keeps
+    emitting real tokens for stopped rows until every row stopped; the batched loop always ends the row)."""
+    target, drafter = model_pair("llama")
+    ids, mask, _ = padded_batch([120, 80, 100], seed=3)
+    free = greedy(target, ids, mask)
+    token = int(free[0, ids.shape[1] + 7])
+    unused = next(t for t in range(1, 128) if not bool((free[:, ids.shape[1] :] == t).any()))
+    call = dict(stopping_criteria=StoppingCriteriaList([_StopAfter(token)]), eos_token_id=unused)
+    expected = greedy(target, ids, mask, **call)
+    out = greedy(target, ids, mask, **call, assistant_model=drafter, cache_implementation="budgeted")
+    assert torch.equal(out, expected)
+    assert bool((out[0, ids.shape[1] + 8 :] == 0).all())  # row 0 stopped after its eighth token, padded
