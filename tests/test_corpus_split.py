@@ -1,17 +1,22 @@
 """`scripts/prepare_corpus.py`'s document split: duplicate editions never straddle train and eval.
 
-The script itself downloads its source sdist, so only its pure dedupe/split functions run here, on synthetic
-documents with the kinds of duplicates the sdist holds (a reformatted identical copy, a copy with an extra
-introduction) and a licence paragraph every document carries.
+The script itself downloads its source sdist, so its pure dedupe/split functions run here on synthetic documents
+with the kinds of duplicates the sdist holds (a reformatted identical copy, a copy with an extra introduction, a
+module whose docstrings are copied from another) and a licence paragraph every document carries; the split the
+bundled models were trained and measured on is checked by content through the manifest the script wrote
+(`tests/data/corpus_manifest.json`).
 """
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_corpus.py"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "prepare_corpus.py"
+MANIFEST = Path(__file__).resolve().parent / "data" / "corpus_manifest.json"
 EVAL_EVERY = 3  # eval: indices 2, 5, 8, 11
 
 
@@ -37,11 +42,12 @@ def _documents() -> tuple[list[tuple[str, str]], set[int]]:
         2: "\n\t ".join(word.upper() for word in a.split()),  # same words, other case and layout
         4: _words(rng, 150) + "\n\n" + b,  # b with an introduction (train) ...
         5: b,  # ... and without (eval)
-        8: c,  # the first of its group is on the eval side ...
-        10: _words(rng, 200) + "\n" + c,  # ... so its annotated edition leaves train
+        8: c,  # the first of its group is on the eval side, but an annotated edition is on the train side ...
+        10: _words(rng, 200) + "\n" + c,  # ... so the train side keeps it and the eval side loses its copy
+        11: _words(rng, 300) + " " + b[: len(b) // 4],  # eval, a quarter of it copied from a train document
         7: _words(rng, 40),  # short: mostly licence, which must not make it a duplicate of everything
     }
-    unrelated = {i for i in range(12) if i not in texts or i == 7}
+    unrelated = {i for i in range(12) if i not in texts or i == 7}  # (11 overlaps, but is in no group)
     for i in unrelated - {7}:
         texts[i] = _words(rng, 400)
     docs = [(f"d{i:02d}", texts[i] + "\n\n" + licence) for i in range(12)]
@@ -68,11 +74,44 @@ def test_no_eval_text_is_in_train_and_unrelated_documents_keep_their_side(corpus
     side = {name: "eval" for name, _ in evaluation} | {name: "train" for name, _ in train}
     for i in unrelated:
         assert side.get(f"d{i:02d}") == ("eval" if i % EVAL_EVERY == EVAL_EVERY - 1 else "train")
-    assert sorted(dropped) == [("d02", "d01"), ("d05", "d04"), ("d10", "d08")]
-    assert side["d01"] == "train" and side["d04"] == "train" and side["d08"] == "eval"
+    assert sorted(name for name, _ in dropped) == ["d02", "d05", "d08", "d11"]
+    assert dict(dropped)["d08"] == "a duplicate of d10" and dict(dropped)["d02"] == "a duplicate of d01"
+    assert dict(dropped)["d11"].endswith("is in d04 (train)")  # b's annotated edition, kept on the train side
+    assert side["d01"] == "train" and side["d04"] == "train" and side["d10"] == "train"
     for kept in (train, evaluation):  # each side in the documents' order
         assert [name for name, _ in kept] == sorted(name for name, _ in kept)
     assert len(train) + len(evaluation) == len(side) == len(docs) - len(dropped)  # each kept document once
+    assert [name for name, _ in train] == [f"d{i:02d}" for i in range(12) if i % EVAL_EVERY != EVAL_EVERY - 1]
+
+
+def test_no_held_out_document_shares_text_with_what_the_bundled_models_read():
+    """The split on disk, by content: every eval document against every document a model trained before or after
+    deduplication read (train and dropped), on the manifest's shingle samples; and the bundled play is that split's
+    King John."""
+    manifest = json.loads(MANIFEST.read_text())
+    documents = manifest["documents"]
+    held_out = [d for d in documents if d["side"] == "eval"]
+    read = [d for d in documents if d["side"] != "eval"]
+    assert len(held_out) == 13 and {"john_gut.txt", "coriolanus_gut.txt"} <= {d["name"] for d in held_out}
+    assert "paradiselost.txt" in {d["name"] for d in read}  # the byte-identical copy of a training text
+    for doc in held_out:
+        sample = set(doc["shingles"])
+        for other in read:
+            assert doc["sha256"] != other["sha256"], f"{doc['name']} is {other['name']}"
+            shared = len(sample & set(other["shingles"]))
+            assert shared <= max(1, 0.02 * len(sample)), (
+                f"{doc['name']} shares {shared} shingles with {other['name']}"
+            )
+
+
+def test_the_bundled_play_is_held_out(corpus):
+    manifest = json.loads(MANIFEST.read_text())
+    text = (REPO / "hf_budgetdraft" / "demo" / "king_john.txt").read_text(encoding="utf-8")
+    sample = corpus.shingles(text, sample=manifest["shingle_sample"])
+    sides = {d["name"]: (d["side"], set(d["shingles"])) for d in manifest["documents"]}
+    assert len(sample) > 300 and sides["john_gut.txt"][0] == "eval" and sample <= sides["john_gut.txt"][1]
+    shared = max(len(sample & shingles) for side, shingles in sides.values() if side != "eval")
+    assert shared <= 0.02 * len(sample)  # a stock 8-word phrase or two, not a copy of the play
 
 
 def test_without_duplicates_the_split_is_every_nth_document(corpus):
@@ -101,3 +140,5 @@ def test_bad_arguments(corpus):
         corpus.split_documents(["just text"])
     with pytest.raises(ValueError, match="threshold must be in"):
         corpus.duplicate_groups(["x"], threshold=0)
+    with pytest.raises(ValueError, match="held_out_threshold must be in"):
+        corpus.split_documents([("a", "x")], held_out_threshold=0)
