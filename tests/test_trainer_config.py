@@ -67,7 +67,7 @@ def test_defaults_are_the_papers(tmp_path):
             {"cache_kind": "sink_window", "num_sink_tokens": 16},
             r"num_sink_tokens=16 must be in \[0, min\(budgets\)",
         ),
-        ({"loss": "mse"}, "loss must be 'hard' or 'soft'"),
+        ({"loss": "mse"}, "loss must be one of"),
         ({"soft_loss": "js"}, "soft_loss must be one of"),
         ({"temperature": 0.0}, "temperature must be > 0"),
         ({"continuation_length": 0}, "continuation_length must be an int >= 1"),
@@ -145,3 +145,9 @@ def test_cli_train_errors(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--prefix_length", "64", "--budgets", "16"])
     assert "exactly one data source" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--random_models", "--sampled_continuations", "0.5"])
+    assert "needs --continuations target" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--random_models", "--continuations", "target", "--sampled_continuations", "2"])
+    assert "--sampled_continuations must be in [0, 1], got 2.0" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from hf_budgetdraft.trainer import (
     load_text_dataset,
     pack_dataset,
     precompute_teacher_targets,
+    sampled_rows,
 )
 
 
@@ -108,3 +109,48 @@ def test_target_continuations_are_the_targets_own_greedy_tokens(tmp_path):
         generate_target_continuations(rows, target, 32, 9)
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         generate_target_continuations(rows, target, 32, 6, batch_size=0)
+
+
+def test_sampled_rows_spread_the_share_evenly():
+    assert sampled_rows(8, 0.0) == [False] * 8 and sampled_rows(8, 1.0) == [True] * 8
+    assert sampled_rows(8, 0.5) == [False, True] * 4
+    assert sum(sampled_rows(10, 0.3)) == 3
+    with pytest.raises(ValueError, match="sampled_fraction must be in"):
+        sampled_rows(4, 1.5)
+
+
+def test_sampled_continuations_are_the_targets_seeded_samples(tmp_path):
+    target, _ = model_pair("llama", "sdpa", draft_layers=1)
+    generator = torch.Generator().manual_seed(2)
+    rows = datasets.Dataset.from_dict(
+        {"input_ids": torch.randint(0, 128, (4, 40), generator=generator).tolist()}
+    )
+    prefixes = torch.tensor(rows["input_ids"])[:, :32]
+    with torch.no_grad():
+        greedy = target.generate(prefixes[[0, 2]], do_sample=False, max_new_tokens=6, min_new_tokens=6)
+        torch.manual_seed(7)  # the seed of the first (only) batch
+        sampled = target.generate(
+            prefixes[[1, 3]], do_sample=True, temperature=1.3, max_new_tokens=6, min_new_tokens=6
+        )
+    out = generate_target_continuations(
+        rows,
+        target,
+        32,
+        6,
+        batch_size=4,
+        cache_dir=str(tmp_path),
+        sampled_fraction=0.5,
+        temperature=1.3,
+        seed=7,
+    )
+    assert out["input_ids"] == [
+        greedy[0].tolist(),
+        sampled[0].tolist(),
+        greedy[1].tolist(),
+        sampled[1].tolist(),
+    ]
+    assert sampled.tolist() != target.generate(prefixes[[1, 3]], do_sample=False, max_new_tokens=6).tolist()
+    all_greedy = generate_target_continuations(rows, target, 32, 6, batch_size=4, cache_dir=str(tmp_path))
+    assert all_greedy["input_ids"][1] != out["input_ids"][1]  # another cache entry, not the sampled one
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        generate_target_continuations(rows, target, 32, 6, sampled_fraction=0.5, temperature=0.0)

@@ -162,6 +162,25 @@ def test_agreement_matches_naive():
     torch.testing.assert_close(losses.greedy_agreement(student, labels, mask), naive)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_hard_plus_soft_is_the_sum_of_both_naive_losses(temperature):
+    student, teacher, labels = _toy(4)
+    mask = _masks()["ragged"]
+    full_mask = mask.expand(B, T)
+    probs = losses.teacher_probs_from_logits(teacher, temperature)
+    ce, tv = _naive_ce(student, labels, full_mask), _naive_tv(student, probs, full_mask, temperature)
+    both = losses.distillation_loss(student, labels, probs, "hard+soft", "tv", temperature, mask)
+    torch.testing.assert_close(both, ce + tv, rtol=1e-5, atol=1e-6)
+    hard = losses.distillation_loss(student, labels, None, "hard", mask=mask)
+    torch.testing.assert_close(hard, ce, rtol=1e-5, atol=1e-6)
+    soft = losses.distillation_loss(student, labels, probs, "soft", "tv", temperature, mask)
+    torch.testing.assert_close(soft, tv, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs the teacher's probabilities"):
+        losses.distillation_loss(student, labels, None, "hard+soft")
+    with pytest.raises(ValueError, match="loss must be one of"):
+        losses.distillation_loss(student, labels, probs, "both")
+
+
 def test_total_loss_combines_full_and_mean_of_views():
     full = torch.tensor(2.0)
     views = [torch.tensor(1.0), torch.tensor(3.0)]

@@ -48,9 +48,17 @@ class TrainScriptArguments:
     continuations: str = field(
         default="text",
         metadata={
-            "help": "Each row's continuation: 'text' (as cut from the data) or 'target' (the target's own greedy "
+            "help": "Each row's continuation: 'text' (as cut from the data) or 'target' (the target's own "
             "continuation of the row's prefix, generated once and cached: the text the drafter drafts at "
-            "inference)."
+            "inference; greedy, or sampled for --sampled_continuations of the rows)."
+        },
+    )
+    sampled_continuations: float = field(
+        default=0.0,
+        metadata={
+            "help": "--continuations target: share of the rows the target continues by sampling at --temperature "
+            "(the text a sampling call drafts) instead of greedily; 0.5 with --loss hard+soft trains one drafter "
+            "for both kinds of call."
         },
     )
     precompute_teacher: bool = field(
@@ -90,6 +98,12 @@ class TrainScriptArguments:
             raise ValueError(f"--teacher_top_k must be >= 0, got {self.teacher_top_k}")
         if self.continuations not in ("text", "target"):
             raise ValueError(f"--continuations must be 'text' or 'target', got {self.continuations!r}")
+        if not 0.0 <= self.sampled_continuations <= 1.0:
+            raise ValueError(f"--sampled_continuations must be in [0, 1], got {self.sampled_continuations}")
+        if self.sampled_continuations and self.continuations != "target":
+            raise ValueError(
+                "--sampled_continuations needs --continuations target (it sets how they are generated)"
+            )
 
 
 def _train_data(script: TrainScriptArguments, config, target, tokenizer):
@@ -191,6 +205,9 @@ def _teacher_targets(script: TrainScriptArguments, config: BudgetDraftConfig, ta
             config.prefix_length,
             config.continuation_length,
             cache_dir=cache_dir,
+            sampled_fraction=script.sampled_continuations,
+            temperature=config.temperature,
+            seed=config.seed,
         )
     if script.precompute_teacher:
         target.to(config.device)

@@ -16,6 +16,7 @@ from .data import (
     load_text_dataset,
     pack_dataset,
     precompute_teacher_targets,
+    sampled_rows,
 )
 from .trainer import BudgetDraftTrainer, check_vocab_compatible
 from .views import (
@@ -42,6 +43,7 @@ __all__ = [
     "pack_dataset",
     "precompute_teacher_targets",
     "run_shared_prefix",
+    "sampled_rows",
     "view_logits",
     "windowed_block_mask",
 ]

@@ -17,7 +17,7 @@ from transformers.trainer_utils import SchedulerType
 
 from ..cache.policies import POLICIES, get_policy
 from ..generation.spec import DraftSpec
-from .losses import SOFT_LOSSES
+from .losses import LOSSES, SOFT_LOSSES
 from .views import VIEW_KINDS, SparseViewSpec
 
 PAPER_BUDGETS = [256, 512, 1024, 2048]
@@ -95,7 +95,8 @@ class BudgetDraftConfig(TrainingArguments):
         default="hard",
         metadata={
             "help": "'hard': cross-entropy to the teacher's greedy token (greedy verification, the paper); 'soft': "
-            "a divergence to the teacher's distribution (sampling verification, see --soft_loss)."
+            "a divergence to the teacher's distribution (sampling verification, see --soft_loss); 'hard+soft': "
+            "their sum, for one drafter verified both ways."
         },
     )
     soft_loss: str = field(
@@ -107,7 +108,9 @@ class BudgetDraftConfig(TrainingArguments):
     )
     temperature: float = field(
         default=1.0,
-        metadata={"help": "loss='soft': the sampling temperature the drafter will be verified at."},
+        metadata={
+            "help": "loss='soft'/'hard+soft': the sampling temperature the drafter will be verified at."
+        },
     )
 
     # --- models ---
@@ -235,8 +238,8 @@ class BudgetDraftConfig(TrainingArguments):
                 policy.validate_budget(budget)
 
     def _check_loss(self) -> None:
-        if self.loss not in ("hard", "soft"):
-            raise ValueError(f"loss must be 'hard' or 'soft', got {self.loss!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.soft_loss not in SOFT_LOSSES:
             raise ValueError(f"soft_loss must be one of {SOFT_LOSSES}, got {self.soft_loss!r}")
         if not math.isfinite(self.temperature) or self.temperature <= 0:

@@ -10,14 +10,16 @@ The paper packs PG-19 books into 16,384-token rows (16,128 prefix + 256 continua
   `teacher_labels`, `(C,)`) and optionally its top-k log-probabilities for the soft loss (`teacher_topk_ids`,
   `teacher_topk_logprobs`, `(C, k)`). The teacher is the expensive part of a step: precomputing it once lets
   many drafter runs (budgets, λ, policies) reuse it;
-- `generate_target_continuations`: each row's continuation replaced by the target's own greedy continuation of
-  its prefix (on-policy rows: at inference the drafter reads the target's output, not human text);
+- `generate_target_continuations`: each row's continuation replaced by the target's own continuation of its
+  prefix, greedy or (a share of the rows) sampled (on-policy rows: at inference the drafter reads the target's
+  output, not human text);
 - `BudgetDraftCollator`: stacks rows into tensors and refuses rows shorter than prefix + continuation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,7 +200,14 @@ def _teacher_fingerprint(dataset, teacher, prefix_length, continuation_length, t
 
 
 def _cached_map(
-    dataset, function, batch_size: int, fingerprint: str, cache_dir: str | None, name: str, desc: str
+    dataset,
+    function,
+    batch_size: int,
+    fingerprint: str,
+    cache_dir: str | None,
+    name: str,
+    desc: str,
+    with_indices: bool = False,
 ):
     """`dataset.map(function)` in batches, fingerprinted, cached as `cache_dir/{name}-{fingerprint}.arrow`."""
     cache_file_name = None
@@ -209,6 +218,7 @@ def _cached_map(
         function,
         batched=True,
         batch_size=batch_size,
+        with_indices=with_indices,
         new_fingerprint=fingerprint,
         cache_file_name=cache_file_name,
         load_from_cache_file=True,
@@ -267,6 +277,16 @@ def precompute_teacher_targets(
     )
 
 
+def sampled_rows(num_rows: int, sampled_fraction: float) -> list[bool]:
+    """Which of `num_rows` rows get a sampled continuation: `round(num_rows * sampled_fraction)` rows spread
+    evenly (row `i` is sampled when `floor((i + 1) f) > floor(i f)`), so every stretch of the data holds the mix."""
+    if not 0.0 <= sampled_fraction <= 1.0:
+        raise ValueError(f"sampled_fraction must be in [0, 1], got {sampled_fraction}")
+    return [
+        math.floor((i + 1) * sampled_fraction) > math.floor(i * sampled_fraction) for i in range(num_rows)
+    ]
+
+
 def generate_target_continuations(
     dataset,
     teacher,
@@ -274,45 +294,71 @@ def generate_target_continuations(
     continuation_length: int,
     batch_size: int = 8,
     cache_dir: str | None = None,
+    sampled_fraction: float = 0.0,
+    temperature: float = 1.0,
+    seed: int = 0,
 ):
-    """Replace each row's continuation by the target's greedy continuation of its `prefix_length`-token prefix.
+    """Replace each row's continuation by the target's own continuation of its `prefix_length`-token prefix.
 
     At inference the drafter drafts the target's own output, which for a small target reads nothing like the
     human text the rows were cut from (it repeats itself, and keeps to what it knows). Training on the target's
     output aligns the training rows with the rows the drafter is verified on: "self-distillation" data, as in
-    Medusa-2 and EAGLE's regenerated data. Decoding is greedy with exactly `continuation_length` new tokens
-    (`min_new_tokens`, as `hf-budgetdraft bench` runs it), `batch_size` rows at a time (equal-length prefixes: no
-    padding).
+    Medusa-2 and EAGLE's regenerated data. Greedy calls draft greedy text and sampling calls sampled text, so a
+    drafter meant for both trains on both: `sampled_fraction` of the rows (spread evenly, `sampled_rows`) are
+    continued by sampling at `temperature` (seeded per batch), the rest greedily. Each continuation has exactly
+    `continuation_length` new tokens (`min_new_tokens`, as `hf-budgetdraft bench` runs it), `batch_size` rows at a
+    time (equal-length prefixes: no padding).
 
     Args:
         dataset (`datasets.Dataset`): rows with `input_ids` of at least `prefix_length + continuation_length` ids.
         teacher (`PreTrainedModel`): the target.
         batch_size (`int`, defaults to 8): rows decoded together.
-        cache_dir (`str`, *optional*): folder of the cached Arrow file (keyed by data, target weights, lengths).
+        cache_dir (`str`, *optional*): folder of the cached Arrow file (keyed by data, target weights, lengths and
+            the sampling settings).
+        sampled_fraction (`float`, defaults to 0): share of rows continued by sampling instead of greedily.
+        temperature (`float`, defaults to 1): the sampling temperature of those rows.
+        seed (`int`, defaults to 0): seeds the sampled rows (batch `b` draws with seed `seed + b`).
 
     Returns:
-        `datasets.Dataset` with `input_ids` `(P + C,)`: the same prefix, then the target's C greedy tokens.
+        `datasets.Dataset` with `input_ids` `(P + C,)`: the same prefix, then the target's C tokens.
     """
     check_row_lengths(dataset, prefix_length, continuation_length)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    sampled = sampled_rows(len(dataset), sampled_fraction)
     device = next(teacher.parameters()).device
     teacher.eval()
 
-    def regenerate(batch):
-        prefixes = torch.tensor([row[:prefix_length] for row in batch["input_ids"]], device=device)  # (b, P)
+    def continue_rows(rows: list[list[int]], do_sample: bool) -> list[list[int]]:
+        prefixes = torch.tensor([row[:prefix_length] for row in rows], device=device)  # (b, P)
+        # sampled as a user's do_sample call samples (the target's generation config: top-k 50 unless it says)
+        settings = {"do_sample": True, "temperature": temperature} if do_sample else {"do_sample": False}
         with torch.no_grad():
             out = teacher.generate(
                 prefixes,
                 attention_mask=torch.ones_like(prefixes),
-                do_sample=False,
                 max_new_tokens=continuation_length,
                 min_new_tokens=continuation_length,
+                **settings,
             )  # (b, P + C)
-        return {"input_ids": out.cpu().tolist()}
+        return out.cpu().tolist()
 
+    def regenerate(batch, indices):
+        out = list(batch["input_ids"])
+        for do_sample in (False, True):
+            chosen = [n for n, index in enumerate(indices) if sampled[index] == do_sample]
+            if chosen:
+                if do_sample:
+                    torch.manual_seed(seed + indices[0])
+                for n, row in zip(chosen, continue_rows([out[n] for n in chosen], do_sample), strict=True):
+                    out[n] = row
+        return {"input_ids": out}
+
+    mode = "greedy-continuation" if sampled_fraction == 0 else f"continuation|{sampled_fraction}|{seed}"
     fingerprint = _teacher_fingerprint(
-        dataset, teacher, prefix_length, continuation_length, "greedy-continuation", 0.0
+        dataset, teacher, prefix_length, continuation_length, mode, temperature if sampled_fraction else 0.0
     )
     return _cached_map(
         dataset,
@@ -321,7 +367,8 @@ def generate_target_continuations(
         fingerprint,
         cache_dir,
         "target-continuations",
-        "target's greedy continuations",
+        "target's continuations",
+        with_indices=True,
     )
 
 

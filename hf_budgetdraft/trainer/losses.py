@@ -8,7 +8,9 @@ the logits of sparse views of the same continuation; both are the same per-token
 - `"soft"`: a divergence to the target's next-token distribution, for a *sampling* verifier. Speculative
   sampling accepts a draft token with expected probability `sum_x min(p(x), q(x)) = 1 - TV(p, q)`
   (Leviathan et al., arXiv 2211.17192, §3.5), so `"tv"` minimises exactly one minus the acceptance; `"kl"`
-  (forward KL(p || q)) is a smooth surrogate that bounds it (Pinsker: TV <= sqrt(KL / 2)); `"tv_kl"` adds both.
+  (forward KL(p || q)) is a smooth surrogate that bounds it (Pinsker: TV <= sqrt(KL / 2)); `"tv_kl"` adds both;
+- `"hard+soft"`: their sum (`distillation_loss`), for one drafter that serves greedy and sampling calls: the hard
+  term sharpens the argmax a greedy verifier checks, the soft one keeps the distribution a sampler checks.
 
 Shapes: logits `(B, T, V)`; labels and masks `(B, T)`; teacher probabilities `(B, T, V)`. A position counts when
 its `mask` entry is True and, for hard labels, its label is not `IGNORE_INDEX`. Every loss is the mean over the
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+LOSSES = ("hard", "soft", "hard+soft")
 SOFT_LOSSES = ("tv", "kl", "tv_kl")
 
 
@@ -172,6 +175,28 @@ def soft_distillation_loss(
             student_logits, teacher_probs, mask, temperature
         )
     raise ValueError(f"soft loss kind must be one of {SOFT_LOSSES}, got {kind!r}")
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_labels: torch.LongTensor,
+    teacher_probs: torch.Tensor | None,
+    loss: str = "hard",
+    soft_kind: str = "tv",
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The per-branch loss named by `loss` (one of `LOSSES`): hard, soft (`soft_kind`), or their sum."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    terms = []
+    if loss in ("hard", "hard+soft"):
+        terms.append(hard_distillation_loss(student_logits, teacher_labels, mask))
+    if loss in ("soft", "hard+soft"):
+        if teacher_probs is None:
+            raise ValueError(f"loss={loss!r} needs the teacher's probabilities, got None")
+        terms.append(soft_distillation_loss(student_logits, teacher_probs, mask, soft_kind, temperature))
+    return sum(terms[1:], terms[0])
 
 
 @torch.no_grad()

@@ -42,10 +42,9 @@ from .config import BudgetDraftConfig
 from .data import BudgetDraftCollator, check_row_lengths
 from .losses import (
     budgetdraft_loss,
+    distillation_loss,
     expected_acceptance,
     greedy_agreement,
-    hard_distillation_loss,
-    soft_distillation_loss,
     teacher_probs_from_logits,
     teacher_probs_from_topk,
 )
@@ -194,14 +193,14 @@ class BudgetDraftTrainer(Trainer):
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """`(labels (B, C), probs (B, C, V) or None)` at the continuation positions, precomputed or online."""
         args = self.args
-        soft = args.loss == "soft"
+        soft = args.loss != "hard"
         if "teacher_labels" in inputs:
             labels = inputs["teacher_labels"].long()
             if not soft:
                 return labels, None
             if "teacher_topk_ids" not in inputs:
                 raise ValueError(
-                    "loss='soft' needs the teacher's distributions, but the precomputed targets hold greedy labels "
+                    f"loss={args.loss!r} needs the teacher's distributions, but the precomputed targets hold greedy labels "
                     "only; precompute with top_k > 0 (--teacher_top_k) or drop the precomputed columns"
                 )
             probs = teacher_probs_from_topk(
@@ -214,11 +213,8 @@ class BudgetDraftTrainer(Trainer):
         return logits.argmax(dim=-1), teacher_probs_from_logits(logits, args.temperature) if soft else None
 
     def _branch_loss(self, logits: torch.Tensor, labels: torch.LongTensor, probs: torch.Tensor | None):
-        if self.args.loss == "soft":
-            return soft_distillation_loss(
-                logits, probs, kind=self.args.soft_loss, temperature=self.args.temperature
-            )
-        return hard_distillation_loss(logits, labels)
+        args = self.args
+        return distillation_loss(logits, labels, probs, args.loss, args.soft_loss, args.temperature)
 
     def _record(self, mode: str, name: str, logits, labels, probs, loss) -> None:
         """Log this branch's loss, greedy agreement and (soft loss) expected acceptance, averaged over processes."""
