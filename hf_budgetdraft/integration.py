@@ -9,7 +9,8 @@
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
-  `use_mtp=True` and `"sink_window"`, the model's own MTP head drafts on a `WindowedMtpCache` (Windowed-MTP);
+  `use_mtp=True` and `"sink_window"`, the model's own MTP head drafts on a `WindowedMtpCache` (Windowed-MTP),
+  a one-layer head only in the rounds the adaptive draft length picks, the target verifying as with a drafter;
   with `speculation_type="dflash"`, the DFlash block drafter on a `WindowedDFlashCache`.
   Inside `record_speculation()`, every candidate generator (stock ones too) is instrumented.
 - `_prepare_cache_for_generation`: with a draft, the target's full cache is a `GrowableCache` (appends in place,
@@ -44,8 +45,14 @@ from .cache.base import MAX_CACHE_TOKENS
 from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
-from .generation.fast_path import DraftPlan, resolve_plan
-from .generation.mtp import expose_mtp_layers, windowed_mtp_cache
+from .generation.fast_path import DraftPlan, resolve_plan, using_attention, verify_attention
+from .generation.mtp import (
+    AdaptiveMtpCandidateGenerator,
+    expose_mtp_layers,
+    mtp_draft_length,
+    mtp_fast_verify,
+    windowed_mtp_cache,
+)
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 
@@ -104,7 +111,8 @@ def _windowed_builtin_generator(self, name, generation_config, assistant_model, 
         expose_mtp_layers(self)
         generator = stock_generator()
         generator.mtp_cache = windowed_mtp_cache(self, generation_config.cache_config)
-        return generator
+        policy = mtp_draft_length(generation_config.cache_config, generator.num_mtp_layers)
+        return generator if policy is None else AdaptiveMtpCandidateGenerator(generator, policy)
     if assistant_model is None:
         raise ValueError("speculation_type='dflash' needs assistant_model=<a DFlash drafter>")
     generator = stock_generator(assistant_model=assistant_model)
@@ -191,6 +199,10 @@ def _assisted_decoding(self, *args, **kwargs):
             f"loops are single-sequence); got a batch of {input_ids.shape[0]}. Generate the rows one by one, or draft "
             "with assistant_model= (batched)"
         )
+    if sparse and generation_config.use_mtp:  # windowed MTP: the target verifies as with assistant_model=
+        fast_verify = mtp_fast_verify(generation_config.cache_config)
+        with using_attention(self, verify_attention(self, fast_verify)):
+            return _originals["_assisted_decoding"](self, *args, **kwargs)
     if not sparse or builtin_draft:
         return _originals["_assisted_decoding"](self, *args, **kwargs)
     _check_assistant(
@@ -265,10 +277,11 @@ def _sample(self, *args, **kwargs):
 
 def _can_use_growable(model, generation_config, model_kwargs) -> bool:
     """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise."""
+    windowed_mtp_fast = generation_config.use_mtp and mtp_fast_verify(generation_config.cache_config)
     return (
         model_kwargs.get("cache") is None
-        # Windowed MTP / DFlash keep the target cache native MTP / DFlash use, so the two differ in the draft only
-        and not generation_config.use_mtp
+        # windowed DFlash keeps the target cache native DFlash uses; windowed MTP too with fast_verify=False
+        and (windowed_mtp_fast or not generation_config.use_mtp)
         and generation_config.speculation_type != "dflash"
         and generation_config.use_cache is not False
         and not model.config.is_encoder_decoder

@@ -272,7 +272,8 @@ def test_windowed_mtp_on_a_sliding_mtp_layer_runs_natively(mellum, fresh_log):
             max_new_tokens=NEW_TOKENS,
             use_mtp=True,
             cache_implementation="sink_window",
-            cache_config={"num_sink_tokens": 4, "window_length": 8},
+            # every round drafts, as native MTP does: the rounds compare one to one
+            cache_config={"num_sink_tokens": 4, "window_length": 8, "draft_length": 1},
         )
     assert torch.equal(out, expected) and torch.equal(native_out, expected)
     assert windowed.rounds > 0 and windowed.proposed_per_round == native.proposed_per_round

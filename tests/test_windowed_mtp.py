@@ -6,11 +6,14 @@ import pytest
 import torch
 from tiny_models import random_prompt
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
 
 from hf_budgetdraft import cache_nbytes, record_speculation
 from hf_budgetdraft.cache import WindowedMtpCache
 from hf_budgetdraft.cache.static import StaticDraftLayer
+from hf_budgetdraft.generation import mtp as mtp_module
+from hf_budgetdraft.generation.draft_length import DraftLength
 from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
 MTP_FAMILIES = {
@@ -99,8 +102,9 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     model = load(family, tmp_root, num_mtp_layers)
     ids = random_prompt(400)
     expected = model.generate(ids, do_sample=False, max_new_tokens=32)
+    fixed = {**WINDOW, "draft_length": num_mtp_layers}  # every round drafts: rounds comparable across runs
     _, dynamic_stats = generate(
-        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=WINDOW
+        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=fixed
     )
     model.set_attn_implementation("budgetdraft_varlen")
     forwards = []
@@ -116,7 +120,7 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
         lambda self, k, v: forwards.append(("block", k.shape[-2])) or block(self, k, v),
     )
     out, stats = generate(
-        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config={**WINDOW, "static": True}
+        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config={**fixed, "static": True}
     )
     assert torch.equal(out, expected)
     assert stats.accepted_per_round == dynamic_stats.accepted_per_round
@@ -150,11 +154,135 @@ def test_window_covering_everything_reproduces_native_mtp(family, tmp_root):
         ids,
         use_mtp=True,
         cache_implementation="sink_window",
-        cache_config={"num_sink_tokens": 4, "window_length": 8192},
+        cache_config={"num_sink_tokens": 4, "window_length": 8192, "draft_length": 1},
     )
     assert torch.equal(native, windowed)
     assert windowed_stats.accepted_per_round == native_stats.accepted_per_round
     assert windowed_stats.proposed_per_round == native_stats.proposed_per_round
+
+
+class PatternLength(DraftLength):
+    """Drafts (1) or not (0) by a fixed pattern, repeated: which rounds skip the head is the test's choice."""
+
+    name = "pattern"
+
+    def __init__(self, pattern):
+        self.pattern, self.calls = pattern, 0
+
+    def next_length(self) -> int:
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)]
+
+
+def _record_proposals(monkeypatch) -> dict:
+    """{input length: proposed token} of every round the MTP head drafted (stock or adaptive generator)."""
+    proposals, stock = {}, MTPCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, *args, **kwargs):
+        candidates, logits = stock(self, input_ids, *args, **kwargs)
+        if candidates.shape[1] > input_ids.shape[1]:
+            proposals[input_ids.shape[1]] = candidates[0, input_ids.shape[1]].item()
+        return candidates, logits
+
+    monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
+    return proposals
+
+
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_adaptive_mtp_head_catches_up_on_the_rounds_it_skipped(family, tmp_root, monkeypatch):
+    """Rounds that skip the head (the first ones too: its prefill is deferred) are fed to it later in one block:
+    every proposal equals the one the head makes when it runs every round, and the output is the target's."""
+    model = load(family, tmp_root)
+    ids = random_prompt(300, seed=5)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=32)
+    full = {"num_sink_tokens": 4, "window_length": 8192}  # a block and its steps read the same keys
+    every_round = _record_proposals(monkeypatch)
+    generate(
+        model, ids, use_mtp=True, cache_implementation="sink_window", cache_config={**full, "draft_length": 1}
+    )
+    every_round = dict(every_round)
+    pattern = _record_proposals(monkeypatch)
+    monkeypatch.setattr(
+        mtp_module, "AdaptiveDraftLength", lambda maximum: PatternLength([0, 0, 1, 0, 1, 1, 0])
+    )
+    out, stats = generate(model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=full)
+    assert torch.equal(out, expected)
+    assert stats.draft_length_policy == "pattern" and 0 < stats.ar_rounds < stats.rounds - 1
+    shared = set(pattern) & set(every_round)
+    assert len(shared) >= 3 and all(pattern[n] == every_round[n] for n in shared)
+
+
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_adaptive_windowed_mtp_is_lossless_and_says_which_policy_ran(family, tmp_root):
+    model = load(family, tmp_root)
+    ids = random_prompt(400, seed=6)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=32)
+    out, stats = generate(model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=WINDOW)
+    assert torch.equal(out, expected)
+    assert stats.draft_length_policy == "adaptive" and max(stats.proposed_per_round) <= 1
+    never, never_stats = generate(
+        model,
+        ids,
+        use_mtp=True,
+        cache_implementation="sink_window",
+        cache_config={**WINDOW, "draft_length": 0},
+    )
+    assert torch.equal(never, expected) and max(never_stats.proposed_per_round) == 0
+
+
+def test_windowed_mtp_verifies_on_the_fast_target_path(tmp_root):
+    model = load("glm4_moe", tmp_root)
+    ids = random_prompt(200, seed=7)
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, k: seen.append(m.config._attn_implementation), with_kwargs=True
+    )
+    try:
+        fast = model.generate(
+            ids,
+            max_new_tokens=8,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            return_dict_in_generate=True,
+        )
+        assert type(fast.cache).__name__ == "GrowableCache" and set(seen) == {"budgetdraft_sdpa"}
+        seen.clear()
+        slow = model.generate(
+            ids,
+            max_new_tokens=8,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config={"fast_verify": False},
+            return_dict_in_generate=True,
+        )
+        assert type(slow.cache).__name__ == "DynamicCache" and set(seen) == {"sdpa"}
+    finally:
+        hook.remove()
+    assert model.config._attn_implementation == "sdpa" and torch.equal(fast.sequences, slow.sequences)
+
+
+def test_deeper_mtp_heads_keep_their_fixed_chain(tmp_root):
+    model = load("glm4_moe", tmp_root, num_mtp_layers=2)
+    ids = random_prompt(200, seed=8)
+    _, stats = generate(model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=WINDOW)
+    assert stats.draft_length_policy is None and max(stats.proposed_per_round) == 2
+    for length in (0, 1, "heuristic", True):
+        with pytest.raises(ValueError, match="windowed MTP takes draft_length"):
+            model.generate(
+                ids,
+                max_new_tokens=4,
+                use_mtp=True,
+                cache_implementation="sink_window",
+                cache_config={"draft_length": length},
+            )
+    with pytest.raises(TypeError, match="fast_verify must be a bool"):
+        model.generate(
+            ids,
+            max_new_tokens=4,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config={"fast_verify": "yes"},
+        )
 
 
 def test_mtp_cache_memory_is_independent_of_context(tmp_root):

@@ -11,7 +11,13 @@ from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, SparseDraftCache
-from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, HeuristicDraftLength
+from .draft_length import (
+    AdaptiveDraftLength,
+    DraftLength,
+    FixedDraftLength,
+    HeuristicDraftLength,
+    RoundClock,
+)
 from .fast_path import DraftPlan, record_eager_steps
 
 logger = logging.get_logger(__name__)
@@ -61,6 +67,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.assistant_kwargs["cache"] = draft_cache
         self.plan = plan
         self.draft_length = make_draft_length(plan)
+        self.clock = RoundClock(self.draft_length, assistant_model.device)
         policy = getattr(draft_cache, "policy", None)
         self._capture_prefill_queries = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
         self._compiled = plan.spec.compile
@@ -68,7 +75,6 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             assistant_model.get_compiled_call(plan.compile_config) if self._compiled else assistant_model
         )
         self._compile_checked = False
-        self._round: dict = {}
         self.draft_prefill_seconds = 0.0
 
     # -- a round -------------------------------------------------------------------------------------------------
@@ -76,28 +82,18 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self, input_ids: torch.LongTensor, **kwargs
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """Draft this round's tokens: `(candidate_ids (1, L + n), candidate_logits (1, n, V) or None)`, n >= 0."""
-        _synchronize(input_ids.device)
-        start = time.perf_counter()
+        self.clock.start()
         self.num_assistant_tokens = self.draft_length.next_length()
         candidates, logits = input_ids, None
         if self.num_assistant_tokens > 0:
             candidates, logits = super().get_candidates(input_ids)
-        _synchronize(input_ids.device)
-        end = time.perf_counter()
-        self._round = {
-            "drafted": candidates.shape[-1] - input_ids.shape[-1],
-            "draft": end - start,
-            "end": end,
-        }
+        self.clock.drafted(candidates.shape[-1] - input_ids.shape[-1])
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        _synchronize(input_ids.device)
-        verify = time.perf_counter() - self._round["end"]
-        drafted, draft = self._round["drafted"], self._round["draft"]
-        self.draft_length.update(drafted, int(num_matches), draft, verify)
-        if drafted and self.plan.spec.static and not self._compiled:
-            record_eager_steps(self.assistant_model, draft)
+        self.clock.finish(int(num_matches))
+        if self.clock.drafted_tokens and self.plan.spec.static and not self._compiled:
+            record_eager_steps(self.assistant_model, self.clock.draft_seconds)
 
     def _update_past_and_masks(
         self, input_ids: torch.LongTensor, remove_from_pkv: int = 0, num_added_tokens: int = 1

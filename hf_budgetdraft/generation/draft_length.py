@@ -12,7 +12,10 @@ with low acceptance, sampling at a high temperature — falls back to AR instead
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 
 class DraftLength:
@@ -212,3 +215,30 @@ class AdaptiveDraftLength(DraftLength):
         per_token = draft_seconds / drafted
         previous = self.draft_per_token
         self.draft_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+
+
+class RoundClock:
+    """Times each round of a candidate generator for its `DraftLength` policy: the draft from `start()` to
+    `drafted(n)` (inside `get_candidates`), the verification from then to `finish(accepted)` (in
+    `update_candidate_strategy`), which feeds the policy. CUDA work is synchronised at each mark."""
+
+    def __init__(self, policy: DraftLength, device: torch.device):
+        self.policy, self.device = policy, torch.device(device)
+        self.drafted_tokens, self.draft_seconds = 0, 0.0
+        self._start = self._end = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def drafted(self, tokens: int) -> None:
+        self._end = self._now()
+        self.drafted_tokens, self.draft_seconds = tokens, self._end - self._start
+
+    def finish(self, accepted) -> None:
+        """The round was verified: `accepted` draft tokens kept (an int, or one per row)."""
+        self.policy.update(self.drafted_tokens, accepted, self.draft_seconds, self._now() - self._end)

@@ -89,6 +89,15 @@ def compile_pays(drafter, compile_config: CompileConfig) -> bool:
     return _eager_step_seconds.get(drafter, 0.0) * COMPILED_STEP_SAVING >= budget
 
 
+def verify_attention(target, fast_verify: bool) -> str | None:
+    """The attention the target verifies on for a call: `budgetdraft_sdpa` when `fast_verify` and the target was
+    loaded with `sdpa` (and can switch: Falcon-style attention ignores it), else `None` (as loaded)."""
+    fast = (
+        fast_verify and target.config._attn_implementation == "sdpa" and target._can_set_attn_implementation()
+    )
+    return FAST_SDPA if fast else None
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     """A `DraftSpec` resolved for one call: every `"auto"` decided, the draft-length source named.
@@ -207,17 +216,12 @@ def resolve_plan(
     length, source, threshold, start = _draft_length(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
-    fast_verify = (
-        spec.fast_verify
-        and target.config._attn_implementation == "sdpa"
-        and target._can_set_attn_implementation()  # (Falcon-style attention ignores the switch)
-    )
     return DraftPlan(
         spec=spec.replace(static=static, compile=compiled, draft_length=length),
         draft_length_source=source,
         confidence_threshold=threshold,
         heuristic_start=start,
         draft_attention=VARLEN if static else None,
-        target_attention=FAST_SDPA if fast_verify else None,
+        target_attention=verify_attention(target, spec.fast_verify),
         compile_config=compile_config if compiled else None,
     )

@@ -8,29 +8,42 @@ Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts wi
 ring in slot order: each draft step — and the step that absorbs a round's verified tokens — reads the sink + ring
 buffer in place under a slot mask instead of gathering `[sink, window, new]` into a fresh tensor, a copy of the
 whole window per step (measured by `benchmarks/mtp_cost.py`, `benchmarks/results/mtp_cost_*.md`).
+
+`AdaptiveMtpCandidateGenerator` lets the draft-length policy of the assistant path drive a one-layer MTP head:
+each round it drafts (γ = 1) or lets the target take a plain AR step (γ = 0); the head catches up on the skipped
+tokens' hidden states when it drafts again.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
+from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
+from transformers.utils import logging
 
 from ..cache.windowed import WindowedMtpCache
+from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, RoundClock
+
+logger = logging.get_logger(__name__)
+MTP_CACHE_OPTIONS = ("num_sink_tokens", "window_length", "slack", "static")
+MTP_RUN_OPTIONS = ("draft_length", "fast_verify")
 
 
 def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -> WindowedMtpCache:
-    """The windowed cache for `main_model`'s MTP layers, from `generate()`'s `cache_config`."""
-    options = dict(cache_config or {})
-    unknown = sorted(set(options) - {"num_sink_tokens", "window_length", "slack", "static"})
+    """The windowed cache for `main_model`'s MTP layers, from `generate()`'s `cache_config` (its run options,
+    `draft_length` and `fast_verify`, are read by the caller)."""
+    options = {k: v for k, v in (cache_config or {}).items() if k not in MTP_RUN_OPTIONS}
+    unknown = sorted(set(options) - set(MTP_CACHE_OPTIONS))
     if unknown:
         raise ValueError(
-            f"cache_config keys {unknown} are not options of windowed MTP; accepted: num_sink_tokens, window_length, "
-            "slack, static"
+            f"cache_config keys {unknown} are not options of windowed MTP; accepted: "
+            f"{', '.join(MTP_CACHE_OPTIONS + MTP_RUN_OPTIONS)}"
         )
     num_mtp_layers = main_model.config.get_text_config().num_mtp_layers
     # multi-depth MTP rolls its cache back by `num_mtp_layers` tokens when a chain is rejected
@@ -40,6 +53,39 @@ def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -
     if num_mtp_layers > 1:
         cache.activate_past_recording()
     return cache
+
+
+def mtp_draft_length(cache_config: dict | None, num_mtp_layers: int) -> DraftLength | None:
+    """The draft-length policy of a windowed-MTP call, from `cache_config["draft_length"]`: `"adaptive"` (the
+    default) drafts each round only when the policy predicts it pays, for a one-layer head; a deeper head drafts its
+    fixed chain (`None`: transformers' own loop), as does `draft_length=num_mtp_layers`; `0` never drafts."""
+    length = (cache_config or {}).get("draft_length", "adaptive")
+    if length == "adaptive":
+        if num_mtp_layers == 1:
+            return AdaptiveDraftLength(maximum=1)
+        logger.warning_once(
+            f"an adaptive draft length drives one-layer MTP heads; this model's {num_mtp_layers} MTP layers draft "
+            "their fixed chain every round"
+        )
+        return None
+    if isinstance(length, int) and not isinstance(length, bool):
+        if length == num_mtp_layers:
+            return None
+        if length == 0 and num_mtp_layers == 1:
+            return FixedDraftLength(0)
+    raise ValueError(
+        f"windowed MTP takes draft_length 'adaptive', {num_mtp_layers} (its MTP layers, every round) or 0 (never); "
+        f"got {length!r}"
+    )
+
+
+def mtp_fast_verify(cache_config: dict | None) -> bool:
+    """`cache_config["fast_verify"]` (default True): the target of a windowed-MTP call verifies on
+    `budgetdraft_sdpa` with a `GrowableCache`, as with `assistant_model=`."""
+    fast_verify = (cache_config or {}).get("fast_verify", True)
+    if not isinstance(fast_verify, bool):
+        raise TypeError(f"fast_verify must be a bool, got {fast_verify!r}")
+    return fast_verify
 
 
 def expose_mtp_layers(model: PreTrainedModel) -> PreTrainedModel:
@@ -120,3 +166,60 @@ def save_pretrained_with_mtp(model: PreTrainedModel, mtp_model: MtpModel, path: 
     for key, tensor in mtp_model.state_dict().items():
         if key in reloaded and not torch.equal(reloaded[key], tensor):
             raise ValueError(f"MTP weight {key} did not survive the save/load round trip")
+
+
+class AdaptiveMtpCandidateGenerator(MTPCandidateGenerator):
+    """transformers' MTP candidate generator for a one-layer head, drafting only in the rounds its `DraftLength`
+    policy picks (γ = 1); in the others (γ = 0) the target takes a plain AR step and the head is not run.
+
+    The head's cache must still see every token: the hidden states the target produced for the tokens of skipped
+    rounds are kept, `(1, n, H)` each, and fed with the next drafting round's in one block (the head's prefill too,
+    when the first rounds are skipped). A one-layer head never rolls its cache back (its input is always a
+    verified token), so no skipped round leaves anything to undo.
+
+    Args:
+        stock (`MTPCandidateGenerator`): the generator transformers built for the call (its MTP model, cache and
+            sampling settings are taken over).
+        draft_length (`DraftLength`): the policy; `next_length()` is 0 or 1.
+    """
+
+    def __init__(self, stock: MTPCandidateGenerator, draft_length: DraftLength):
+        if stock.num_mtp_layers != 1:
+            raise ValueError(
+                f"an adaptive draft length drives a one-layer MTP head; this model has {stock.num_mtp_layers} MTP "
+                "layers, which draft a fixed chain: pass cache_config={'draft_length': <num_mtp_layers>}"
+            )
+        self.__dict__.update(stock.__dict__)
+        self.draft_length = draft_length
+        self.clock = RoundClock(draft_length, self.device)
+        self._skipped: list[torch.Tensor] = []  # hidden states (1, n, H) of tokens the head has not seen yet
+        self._after_prefill = False
+
+    def get_candidates(
+        self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs
+    ):
+        self.clock.start()
+        if is_first_iteration:  # the target's prefill comes first (the stock generator's own trick)
+            self.clock.drafted(0)
+            return super().get_candidates(
+                input_ids, model_kwargs, model_outputs, True, n_last_matches, **kwargs
+            )
+        hidden = model_outputs.hidden_states[-1]  # (1, processed, H): the target's last forward
+        verified = n_last_matches + 1 if self._after_prefill else input_ids.shape[1] - 1
+        self._after_prefill = True
+        self._skipped.append(hidden[:, :verified])
+        candidates, logits = input_ids, None
+        if self.draft_length.next_length() > 0:
+            unseen = torch.cat(self._skipped, dim=1) if len(self._skipped) > 1 else self._skipped[0]
+            self._skipped = []
+            # the stock generator feeds the head the last `n_last_matches + 1` tokens with these hidden states (at
+            # its own first call, every token so far: the prefill and the skipped rounds)
+            outputs = SimpleNamespace(hidden_states=(unseen,))
+            candidates, logits = super().get_candidates(
+                input_ids, model_kwargs, outputs, False, unseen.shape[1] - 1, **kwargs
+            )
+        self.clock.drafted(candidates.shape[1] - input_ids.shape[1])
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        self.clock.finish(int(num_matches))
