@@ -278,6 +278,7 @@ def test_corrupting_the_draft_cache_keeps_the_output_and_lowers_acceptance(tmp_p
         (["--preset", "full"], "--preset full needs --target and --drafter"),
         (["--contexts", *["4096"] * 40, "--repeats", "1000"], "generate\\(\\) calls"),
         (["--assistant_confidence_threshold", "1"], r"must be in \[0, 1\), got 1.0"),
+        (["--do_sample", "true", "--temperature", "0"], r"--temperature must be in \(0, 10\], got 0.0"),
     ],
 )
 def test_bad_bench_arguments(flags, message, capsys):
@@ -308,6 +309,21 @@ def test_method_spec_labels_and_errors():
     assert sparse_cache_config(compiled, 4, 64)["static"] is True
     with pytest.raises(ValueError, match="compiled=True needs method 'assisted' with a sparse draft cache"):
         MethodSpec("assisted", "full", gamma=2, compiled=True)
+    oneliner_mtp = MethodSpec("mtp", "sink_window", target="mtp", defaults=True)
+    assert (
+        oneliner_mtp.label == "mtp:oneliner/mtp_windowed" and sparse_cache_config(oneliner_mtp, 4, 64) == {}
+    )
+    explicit_mtp = MethodSpec("mtp", "sink_window", budget=64, gamma=1, target="mtp")
+    assert sparse_cache_config(explicit_mtp, 4, 64) == {
+        "num_sink_tokens": 4,
+        "window_length": 60,
+        "draft_length": 1,
+        "fast_verify": False,
+    }  # the fixed chain on the stock target: comparable with native MTP
+    with pytest.raises(
+        ValueError, match="defaults=True needs method 'assisted' with a sparse cache or 'mtp'"
+    ):
+        MethodSpec("mtp", "full", target="mtp", defaults=True)
 
 
 def test_compiled_draft_runs_beside_the_eager_draft_and_stays_lossless(tmp_path):
@@ -470,3 +486,57 @@ def test_bench_batch_sizes_grid(tmp_path, capsys):
     full = next(r for r in records if r["batch_size"] == 3 and r["method"] == "full_draft")
     assert sparse["draft_cache_bytes"] != full["draft_cache_bytes"]
     assert "| 96 | 3 | speculative |" in (tmp_path / "batched.md").read_text()
+
+
+def test_sampling_bench_seeds_methods_alike_and_reports_no_greedy_diff(tmp_path, capsys):
+    """`--do_sample`: every run samples (AR too, from the same seed per repeat), the report says token diffs
+    check nothing and the command does not fail on them."""
+    args = _reduced(tmp_path, methods=["oneliner", "budgeted", "ar_fast"], do_sample=True, temperature=1.0)
+    result = run_bench(args)
+    assert result.ok and result.metadata["sampling"] == {"temperature": 1.0}
+    report = (tmp_path / "report.md").read_text()
+    assert "## Sampling (temperature 1.0" in report and "## Losslessness" not in report
+    by_label = {}
+    for record in result.records:
+        by_label.setdefault(record["label"], []).append(record)
+    assert {"ar", "ar_fast", "oneliner/budgeted", "budgeted/chunk B=96 γ=4"} <= set(by_label)
+    assert any(
+        r["diff_tokens"] > 0 for r in result.records
+    )  # sampled runs differ from AR's sample: real draws
+    greedy = run_bench(_reduced(tmp_path / "greedy", methods=["budgeted"], tasks=["document"]))
+    assert greedy.ok and all(r["diff_tokens"] == 0 for r in greedy.records)
+    assert (
+        main(
+            [
+                "bench",
+                "--preset",
+                "smoke",
+                "--do_sample",
+                "true",
+                "--contexts",
+                "256",
+                "--methods",
+                "budgeted",
+                "--budgets",
+                "96",
+                "--gammas",
+                "2",
+                "--tasks",
+                "document",
+                "--repeats",
+                "1",
+                "--warmup",
+                "false",
+                "--plots",
+                "false",
+                "--progress",
+                "false",
+                "--policies",
+                "chunk",
+                "--output_dir",
+                str(tmp_path / "cli"),
+            ]
+        )
+        == 0
+    )
+    assert "sampling ({'temperature': 0.8}): no greedy diff" in capsys.readouterr().out

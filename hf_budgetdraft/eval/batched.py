@@ -334,7 +334,7 @@ def batched_bench_command(args) -> int:
             stream = torch.randint(
                 1, vocab, (max(args.contexts) * 4,), generator=torch.Generator().manual_seed(0)
             )
-        sampling = {"temperature": 0.8} if args.do_sample else None
+        sampling = args.sampling
         total = args.repeats * len(args.contexts) * len(args.batch_sizes) * len(BATCH_METHODS)
         with tqdm(total=total, desc="bench", unit="run", disable=not args.progress, file=sys.stderr) as bar:
             records = batched_grid(

@@ -217,7 +217,20 @@ class _RunFlags:
             "batch size and context (throughput of all rows, per-row latency); see docs/batched.md."
         },
     )
-    do_sample: bool = field(default=False, metadata={"help": "--batch_sizes: sample (temperature 0.8)."})
+    do_sample: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample at --temperature instead of greedy decoding (transformers' default top-k); every method "
+            "of a repeat draws from the same seed. Token diffs then check nothing (each run draws its own tokens): "
+            "the report gives acceptance and speed against AR sampling; the chi-square tests check the distribution."
+        },
+    )
+    temperature: float = field(default=0.8, metadata={"help": "--do_sample: the sampling temperature."})
+
+    @property
+    def sampling(self) -> dict | None:
+        """`generate()` settings of a sampling bench (`None`: greedy)."""
+        return {"temperature": self.temperature} if self.do_sample else None
 
 
 @dataclass
@@ -282,6 +295,8 @@ class BenchArguments(_RunFlags, _GridFlags, _SourceFlags):
             )
         if not 0.0 <= self.passkey_depth <= 1.0:
             raise ValueError(f"--passkey_depth must be in [0, 1], got {self.passkey_depth}")
+        if not 0.0 < self.temperature <= 10.0:
+            raise ValueError(f"--temperature must be in (0, 10], got {self.temperature}")
 
     def _check_choices(self) -> None:
         for name, values, allowed in (
@@ -321,7 +336,7 @@ class BenchArguments(_RunFlags, _GridFlags, _SourceFlags):
         per_gamma += len(self.budgets) * (
             ("sink_window" in self.methods) + len(self.policies) * ("budgeted" in self.methods)
         )
-        mtp = (1 + len(self.budgets)) if "mtp" in self.methods else 0
+        mtp = (2 + len(self.budgets)) if "mtp" in self.methods else 0
         return 3 + oneliner + 2 * per_gamma * len(self.gammas) + mtp
 
     def num_runs(self, num_specs: int) -> int:

@@ -212,6 +212,7 @@ def bench_metadata(args: BenchArguments, models: BenchModels, specs: list[Method
         "arguments": {k: v for k, v in asdict(args).items()},
         "models": models.description,
         "corpus": corpus,
+        "sampling": args.sampling,
         "methods": [spec.label for spec in specs],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

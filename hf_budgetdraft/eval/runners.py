@@ -12,7 +12,7 @@
 | `prompt_lookup`                           | transformers' prompt-lookup decoding (n-gram drafts from the prompt)         |
 | `mtp`, cache `full` / `sink_window`       | `generate(use_mtp=True)`: native MTP vs Windowed-MTP (arXiv 2607.21535)       |
 
-Every run is greedy with exactly `new_tokens` new tokens and is timed by `hf_budgetdraft.timing.timed_generate`
+Every run decodes exactly `new_tokens` new tokens, greedily unless `sampling` is given, and is timed by `hf_budgetdraft.timing.timed_generate`
 (the same call the `generate` command and the app time): the generated tokens, the wall time and the time to the
 first emitted tokens, the per-round draft/verify times, the draft-side and target-side KV-cache bytes, the peak
 RSS and, on CUDA, the peak allocated memory.
@@ -76,9 +76,13 @@ class MethodSpec:
         if self.cache not in DRAFT_CACHES:
             raise ValueError(f"cache must be one of {DRAFT_CACHES}, got {self.cache!r}")
         if self.defaults:
-            if not (self.method == "assisted" and self.cache in ("sink_window", "budgeted")):
+            if not (
+                (self.method == "assisted" and self.cache in ("sink_window", "budgeted"))
+                or (self.method == "mtp" and self.cache == "sink_window")
+            ):
                 raise ValueError(
-                    f"defaults=True needs method 'assisted' with a sparse cache, got {self.cache!r}"
+                    f"defaults=True needs method 'assisted' with a sparse cache or 'mtp' with sink_window, got "
+                    f"{self.method!r}/{self.cache!r}"
                 )
             return
         if self.cache in ("sink_window", "budgeted") and not (self.budget and self.budget > 0):
@@ -100,7 +104,8 @@ class MethodSpec:
         """Short name of the method family: `ar`, `native`, `sink_window`, `budgeted/chunk`, `prompt_lookup`,
         `mtp_native`, `mtp_windowed`; a compiled static draft adds `+compiled` (`budgeted/chunk+compiled`)."""
         if self.method == "mtp":
-            return "mtp_native" if self.cache == "full" else "mtp_windowed"
+            name = "mtp_native" if self.cache == "full" else "mtp_windowed"
+            return f"oneliner/{name}" if self.defaults else name
         if self.defaults:
             return f"oneliner/{self.cache}"
         if self.method == "assisted":
@@ -150,10 +155,12 @@ def sparse_cache_config(
         raise ValueError(f"spec {spec.label!r} has no sparse cache")
     if spec.gamma > DEFAULT_SLACK:
         config["slack"] = spec.gamma
-    # explicit rows: the drafter's γ (set on its generation config), a dynamic cache unless compiled, the target on
-    # the bench's attention; only the one-liner row leaves these to the `DraftSpec` defaults
+    # explicit rows: the drafter's γ (set on its generation config; MTP: its fixed chain), a dynamic cache unless
+    # compiled, the target on the bench's attention; only the one-liner rows leave these to the defaults
     if spec.method == "assisted":
         config.update(static=spec.compiled, compile=spec.compiled, fast_verify=False)
+    else:
+        config.update(draft_length=spec.gamma, fast_verify=False)
     return config
 
 
@@ -201,13 +208,19 @@ def run_assisted(
 
 
 def run_prompt_lookup(
-    target, input_ids: torch.LongTensor, new_tokens: int, gamma: int, max_matching_ngram_size: int = 2
+    target,
+    input_ids: torch.LongTensor,
+    new_tokens: int,
+    gamma: int,
+    max_matching_ngram_size: int = 2,
+    sampling: dict | None = None,
 ) -> RunResult:
     """transformers' prompt-lookup decoding: drafts of up to γ tokens copied after the last matching n-gram."""
     return timed_generate(
         target,
         input_ids,
         new_tokens,
+        sampling=sampling,
         prompt_lookup_num_tokens=gamma,
         max_matching_ngram_size=max_matching_ngram_size,
     )
@@ -219,13 +232,14 @@ def run_mtp(
     new_tokens: int,
     cache_implementation: str | None = None,
     cache_config: dict | None = None,
+    sampling: dict | None = None,
 ) -> RunResult:
     """`generate(use_mtp=True)`: native MTP (the head attends over its whole cache) or, with
-    `cache_implementation="sink_window"`, Windowed-MTP."""
+    `cache_implementation="sink_window"`, Windowed-MTP (`cache_config={}`: its one-liner defaults)."""
     kwargs = {}
     if cache_implementation is not None:
         kwargs = {"cache_implementation": cache_implementation, "cache_config": cache_config or {}}
-    return timed_generate(model, input_ids, new_tokens, use_mtp=True, **kwargs)
+    return timed_generate(model, input_ids, new_tokens, sampling=sampling, use_mtp=True, **kwargs)
 
 
 def run_method(
@@ -238,6 +252,7 @@ def run_method(
     budgeted_window_length: int,
     policy_kwargs: dict | None = None,
     confidence_threshold: float = 0.0,
+    sampling: dict | None = None,
 ) -> RunResult:
     """Dispatch `spec` to its runner.
 
@@ -251,6 +266,7 @@ def run_method(
         budgeted_window_length (`int`): tokens a `budgeted` draft keeps after the prefill, besides the budget.
         policy_kwargs (`dict`, *optional*): per policy name, its hyper-parameters.
         confidence_threshold (`float`): drafters end a round early below this top-token probability (0: never).
+        sampling (`dict`, *optional*): sample with these `generate()` settings (e.g. `{"temperature": 0.8}`).
     """
     if spec.target not in targets:
         raise ValueError(f"spec {spec.label!r} needs target model {spec.target!r}; have {sorted(targets)}")
@@ -264,11 +280,12 @@ def run_method(
         else None
     )
     if spec.method == "ar":
-        return run_ar(target, input_ids, new_tokens, spec.ar_setup)
+        return run_ar(target, input_ids, new_tokens, spec.ar_setup, sampling)
     if spec.method == "prompt_lookup":
-        return run_prompt_lookup(target, input_ids, new_tokens, spec.gamma)
+        return run_prompt_lookup(target, input_ids, new_tokens, spec.gamma, sampling=sampling)
     if spec.method == "mtp":
-        return run_mtp(target, input_ids, new_tokens, spec.cache if sparse else None, cache_config)
+        cache = spec.cache if sparse else None
+        return run_mtp(target, input_ids, new_tokens, cache, cache_config, sampling)
     if spec.drafter not in drafters:
         raise ValueError(f"spec {spec.label!r} needs drafter {spec.drafter!r}; have {sorted(drafters)}")
     return run_assisted(
@@ -281,4 +298,5 @@ def run_method(
         cache_config,
         spec.compiled,
         confidence_threshold,
+        sampling,
     )
