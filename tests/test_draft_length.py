@@ -80,6 +80,29 @@ def test_adaptive_never_drafts_beyond_its_maximum_and_ignores_the_prefill_round(
     assert max(chosen) == 4 and chosen[-1] == 4
 
 
+def test_adaptive_corrects_an_inflated_first_ar_measurement():
+    """The first AR step took 3x its cost (a noise spike): drafting looks better than it is. The periodic AR
+    re-measurement corrects the estimate, and the policy ends up on plain AR, where it belongs."""
+    acceptance, verify_base, verify_slope, draft_step, ar_step = 0.3, 1.3, 0.1, 0.15, 1.0
+    assert best_length(acceptance, verify_base, verify_slope, draft_step, 16) > 0  # against the slow verify...
+    rng, policy, chosen, first_ar = random.Random(1), AdaptiveDraftLength(maximum=16), [], True
+    for _ in range(400):
+        gamma = policy.next_length()
+        chosen.append(gamma)
+        if gamma == 0:  # ...but a plain AR step is cheaper than any drafting round here
+            policy.update(0, 0, 0.0, 3 * ar_step if first_ar else ar_step)
+            first_ar = False
+            continue
+        accepted = 0
+        while accepted < gamma and rng.random() < acceptance:
+            accepted += 1
+        policy.update(gamma, accepted, draft_step * gamma, verify_base + verify_slope * gamma)
+    tokens_per_round = [sum(acceptance**k for k in range(g + 1)) for g in chosen[-200:]]
+    costs = [ar_step if g == 0 else verify_base + (verify_slope + draft_step) * g for g in chosen[-200:]]
+    assert sum(tokens_per_round) / sum(costs) >= 0.9 / ar_step  # within 10% of plain AR's rate
+    assert chosen[-200:].count(0) >= 150
+
+
 def test_expected_rates_match_the_closed_form():
     policy = AdaptiveDraftLength(maximum=3, prior_weight=1e-9)
     for _ in range(200):  # every position accepted half the time, exactly

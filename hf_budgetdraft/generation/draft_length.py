@@ -104,7 +104,10 @@ class AdaptiveDraftLength(DraftLength):
     both prefills and is never fitted). Estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
     drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once drafting pays again) so a drafter
     that improves later (the text changes) is taken back. The third round (the first after a timed drafting round)
-    is always a plain AR step, so the cost drafting competes with is measured.
+    is always a plain AR step, so the cost drafting competes with is measured; it is measured again after
+    `remeasure_after` drafting rounds in a row (32, then 64, ... 256), and the AR cost is the least of the last
+    `ar_samples` measurements (timing noise only adds time): one slow early measurement must not keep a losing
+    policy drafting.
 
     Args:
         maximum (`int`): the longest round (the draft cache's rollback slack bounds it).
@@ -113,6 +116,7 @@ class AdaptiveDraftLength(DraftLength):
         prior_verify_slope (`float`): a priori cost of one more verified token over a one-token verification.
         switch_margin (`float`): drafting must be predicted to beat the AR step by this fraction, so noise in the
             estimates does not buy rounds that lose.
+        ar_samples (`int`): AR-step measurements the cost estimate keeps.
     """
 
     maximum: int
@@ -122,6 +126,7 @@ class AdaptiveDraftLength(DraftLength):
     prior_verify_slope: float = 0.05
     decay: float = 0.97
     switch_margin: float = 0.05
+    ar_samples: int = 8
     name = "adaptive"
 
     def __post_init__(self):
@@ -130,11 +135,18 @@ class AdaptiveDraftLength(DraftLength):
         self.accepted = [0.0] * self.maximum  # decayed counts per draft position
         self.reached = [0.0] * self.maximum
         self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)  # rounds that drafted
-        self.ar_step: float | None = None  # rounds that did not: the target's plain one-token step
+        self.ar_times: list[float] = []  # rounds that did not: the target's plain one-token step
         self.draft_per_token: float | None = None
         self.rounds = 0
         self.ar_rounds_in_a_row = 0
+        self.drafting_rounds_in_a_row = 0
+        self.remeasure_after = 32
         self.probe_after = 8
+
+    @property
+    def ar_step(self) -> float | None:
+        """The plain AR step's cost: the least of its recent measurements (`None` before the first)."""
+        return min(self.ar_times) if self.ar_times else None
 
     # -- estimates -----------------------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -182,6 +194,9 @@ class AdaptiveDraftLength(DraftLength):
         best = max(range(len(rates)), key=rates.__getitem__)
         if best > 0 and rates[best] < (1 + self.switch_margin) * rates[0]:
             best = 0  # a predicted gain inside the estimates' noise is not worth a drafting round
+        if best > 0 and self.drafting_rounds_in_a_row >= self.remeasure_after:
+            self.remeasure_after = min(2 * self.remeasure_after, 256)
+            return 0  # re-measure the AR step drafting is compared with
         if best > 0:
             self.probe_after = 8  # drafting pays again: probe soon after the next fallback
         elif self.ar_rounds_in_a_row >= self.probe_after:
@@ -195,6 +210,7 @@ class AdaptiveDraftLength(DraftLength):
         policy maximises the batch's tokens per second)."""
         self.rounds += 1
         self.ar_rounds_in_a_row = self.ar_rounds_in_a_row + 1 if drafted == 0 else 0
+        self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if drafted else 0
         if drafted:
             rows = _per_row(accepted)
             for k in range(self.maximum):
@@ -207,9 +223,7 @@ class AdaptiveDraftLength(DraftLength):
         if self.rounds == 1 or not (math.isfinite(verify_seconds) and verify_seconds > 0):
             return  # the first round holds the target's and the drafter's prefills
         if not drafted:
-            self.ar_step = (
-                verify_seconds if self.ar_step is None else 0.8 * self.ar_step + 0.2 * verify_seconds
-            )
+            self.ar_times = [*self.ar_times, verify_seconds][-self.ar_samples :]
             return
         self.verify.add(float(drafted), verify_seconds)
         per_token = draft_seconds / drafted
