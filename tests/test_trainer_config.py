@@ -151,3 +151,11 @@ def test_cli_train_errors(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--random_models", "--continuations", "target", "--sampled_continuations", "2"])
     assert "--sampled_continuations must be in [0, 1], got 2.0" in capsys.readouterr().err
+
+
+def test_a_draft_prefill_window_is_deployed_with_the_drafter(tmp_path):
+    config = _config(tmp_path, draft_prefill_window=16)
+    assert config.draft_spec(32).prefill_window == 16 and config.cache_config(32)["prefill_window"] == 16
+    assert "prefill_window" not in _config(tmp_path).cache_config(32)
+    with pytest.raises(ValueError, match="scores the prefix with the prefill's queries"):
+        _config(tmp_path, draft_prefill_window=16, policy="snapkv", policy_kwargs={"window_size": 4})

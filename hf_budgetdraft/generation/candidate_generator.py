@@ -11,6 +11,7 @@ from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, SparseDraftCache
+from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
 from .draft_length import (
     AdaptiveDraftLength,
     DraftLength,
@@ -117,6 +118,12 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         one_token = feed.shape[1] == 1 and not padded
         forward = self._draft_step if one_token else self.assistant_model
         start = time.perf_counter() if prefill else 0.0
+        window = self.plan.spec.prefill_window
+        if prefill and window is not None and feed.shape[1] > window and not padded:
+            logits = self._windowed_prefill(feed, window)
+            _synchronize(feed.device)
+            self.draft_prefill_seconds += time.perf_counter() - start
+            return logits
         inputs = {
             "input_ids": feed,
             # an all-ones mask changes nothing, and its growing length would recompile a compiled step
@@ -136,6 +143,15 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             _synchronize(feed.device)
             self.draft_prefill_seconds += time.perf_counter() - start
         return logits.float()
+
+    def _windowed_prefill(self, prompt: torch.LongTensor, window: int) -> torch.Tensor:
+        """Prefill the drafter in windowed chunks (`cache/windowed_prefill.py`), then fill the draft cache with the
+        recorded prompt keys/values through its own layers' `update`; the last position's logits `(1, V)`."""
+        recorder, logits = windowed_prefill(
+            self.assistant_model, prompt, self.plan.spec.num_sink_tokens, window
+        )
+        fill_from_prefix(self.draft_cache, *recorder.prompt_states())
+        return logits
 
     def _first_compiled_step(self, inputs: dict) -> torch.Tensor:
         """The first call of the compiled step compiles it; if compiling fails (no C++ compiler, an unsupported

@@ -186,10 +186,10 @@ def resolve_plan(
     """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
     several rows, whose draft caches are the ragged ones: never static, never compiled)."""
     if batched:
-        if spec.static is True or spec.compile is True:
+        if spec.static is True or spec.compile is True or spec.prefill_window is not None:
             raise ValueError(
-                "static=True / compile=True are single-sequence fast paths; a batch drafts on ragged per-row caches. "
-                "Drop them from cache_config for batched calls"
+                "static=True / compile=True / prefill_window are single-sequence fast paths; a batch drafts on ragged "
+                "per-row caches. Drop them from cache_config for batched calls"
             )
         spec = spec.replace(static=False, compile=False)
     can_be_static = supports_static_cache(drafter)

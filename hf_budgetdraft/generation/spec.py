@@ -11,6 +11,9 @@ length chosen online from the call's own costs and acceptance. Every automatic c
     cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
     cache_config={"fast_verify": False}   # the target keeps the attention it was loaded with
 
+and one opt-in: `cache_config={"prefill_window": 1024}` prefills the drafter in chunks that read a sink and a
+window (O(L·W) instead of O(L²); for drafters trained that way, see `DraftSpec`).
+
 The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
 """
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.utils import logging
 
-from ..cache import BudgetedCache, SinkWindowCache
+from ..cache import BudgetedCache, SinkWindowCache, get_policy
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 
@@ -43,8 +46,9 @@ _DEFAULT_WINDOW = {
     name: next(p.default for p in params if p.name == "window_length")
     for name, params in _CACHE_PARAMETERS.items()
 }
-_RUN_OPTIONS = ("compile", "draft_length", "max_draft_length", "fast_verify")
+_RUN_OPTIONS = ("compile", "draft_length", "max_draft_length", "fast_verify", "prefill_window")
 MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
+MAX_PREFILL_WINDOW = 1 << 20
 
 
 def _check_switch(name: str, value) -> None:
@@ -77,6 +81,12 @@ class DraftSpec:
             default `min(16, slack)`).
         fast_verify (`bool`, defaults to `True`): a target loaded with `sdpa` verifies on `budgetdraft_sdpa` for
             the call (same results, no KV copies; restored after).
+        prefill_window (`int`, *optional*): the drafter prefills a prompt longer than this in chunks of this many
+            tokens, each reading the `num_sink_tokens` sink and the `prefill_window` tokens before it
+            (`cache/windowed_prefill.py`): O(L·W) instead of O(L²). Its keys beyond the first layer then differ
+            from a full prefill's, so acceptance can change (never the output): for a drafter trained with the same
+            prefix (`BudgetDraftConfig.draft_prefill_window`). Off (`None`) by default; not with a query-scored
+            policy, nor in batched calls.
     """
 
     cache: str = "budgeted"
@@ -91,6 +101,7 @@ class DraftSpec:
     draft_length: int | str = "adaptive"
     max_draft_length: int | None = None
     fast_verify: bool = True
+    prefill_window: int | None = None
 
     def __post_init__(self):
         if self.cache not in DRAFT_CACHES:
@@ -115,10 +126,25 @@ class DraftSpec:
                 f"max_draft_length={self.max_draft_length} must be in [1, slack={self.slack}]: a round drafts at "
                 "most what the cache can roll back; raise slack or lower max_draft_length"
             )
+        self._check_prefill_window()
         if isinstance(length, int) and length > self.slack:
             raise ValueError(
                 f"draft_length={length} exceeds the draft cache's rollback slack ({self.slack}); pass "
                 f"cache_config={{'slack': {length}, ...}} or a smaller draft_length"
+            )
+
+    def _check_prefill_window(self) -> None:
+        window = self.prefill_window
+        if window is None:
+            return
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_PREFILL_WINDOW:
+            raise ValueError(
+                f"prefill_window must be an int in [1, {MAX_PREFILL_WINDOW}] or None, got {window!r}"
+            )
+        if self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).needs_queries:
+            raise ValueError(
+                f"prefill_window cannot serve policy={self.policy!r}, which scores the prefix with the prefill's "
+                "queries; use policy='chunk' (query_proxy='last_key') or 'streaming', or drop prefill_window"
             )
 
     @classmethod

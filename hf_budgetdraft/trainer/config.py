@@ -82,7 +82,18 @@ class BudgetDraftConfig(TrainingArguments):
             "With window_length >= continuation_length the view is a plain causal block."
         },
     )
-    num_sink_tokens: int = field(default=64, metadata={"help": "sink_window views: attention-sink tokens."})
+    num_sink_tokens: int = field(
+        default=64,
+        metadata={"help": "sink_window views, and draft_prefill_window chunks: attention-sink tokens."},
+    )
+    draft_prefill_window: int | None = field(
+        default=None,
+        metadata={
+            "help": "Run the prefix as a drafter deployed with cache_config={'prefill_window': W} prefills: in "
+            "chunks of W tokens, each reading the num_sink_tokens sink and the W tokens before it (O(L·W)). None: "
+            "full attention over the prefix."
+        },
+    )
     prefix_length: int = field(
         default=16128,
         metadata={"help": "Prefix tokens per row (the prompt the drafter prefills); 16,128 in the paper."},
@@ -236,6 +247,7 @@ class BudgetDraftConfig(TrainingArguments):
             policy = get_policy(self.policy, **(self.policy_kwargs or {}))
             for budget in self.budgets:
                 policy.validate_budget(budget)
+        self.draft_spec(self.budgets[0])  # a prefill window the deployed spec refuses is refused here
 
     def _check_loss(self) -> None:
         if self.loss not in LOSSES:
@@ -282,13 +294,16 @@ class BudgetDraftConfig(TrainingArguments):
             kwargs = dict(self.policy_kwargs) if self.policy_kwargs else None
             sizes = {"budget": budget, "policy": self.policy, "window_length": self.window_length}
             sizes["policy_kwargs"] = kwargs
-        return DraftSpec(cache=self.cache_kind, **sizes)
+        return DraftSpec(cache=self.cache_kind, prefill_window=self.draft_prefill_window, **sizes)
 
     def cache_config(self, budget: int) -> dict:
         """The cache sizes of `generate(cache_implementation=self.cache_kind, cache_config=...)` that deploy what a
         view of `budget` trained (`draft_spec(budget)`'s, written out in full)."""
         options = self.draft_spec(budget).cache_kwargs(static=False)
-        return {k: v for k, v in options.items() if k not in ("static", "slack")}
+        options = {k: v for k, v in options.items() if k not in ("static", "slack")}
+        if self.draft_prefill_window is not None:
+            options["prefill_window"] = self.draft_prefill_window
+        return options
 
     def lora_config(self):
         """The `peft.LoraConfig` for `use_lora=True`."""

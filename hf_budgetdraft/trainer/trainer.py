@@ -242,7 +242,9 @@ class BudgetDraftTrainer(Trainer):
         mode = "train" if model.training else "eval"
         labels, probs = self.teacher_targets(inputs)
 
-        shared = run_shared_prefix(model, prefix, self.view_spec.query_window)
+        shared = run_shared_prefix(
+            model, prefix, self.view_spec.query_window, args.draft_prefill_window, args.num_sink_tokens
+        )
         config = unwrap_transformers_model(model).config
         full_logits = view_logits(model, continuation, full_cache(config, shared))  # (B, C, V)
         loss_full = self._branch_loss(full_logits, labels, probs)

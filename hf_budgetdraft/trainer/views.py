@@ -31,6 +31,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..attention.query_capture import cancel_request, query_capture, request_queries
 from ..cache import BudgetedCache, KeepPolicy, SinkWindowCache, SparseDraftCache, SparseDraftLayer, get_policy
+from ..cache.windowed_prefill import windowed_prefill
 
 VIEW_KINDS = ("budgeted", "sink_window")
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -96,7 +97,11 @@ def unwrap_transformers_model(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def run_shared_prefix(
-    model: torch.nn.Module, prefix_ids: torch.LongTensor, query_window: int = 0
+    model: torch.nn.Module,
+    prefix_ids: torch.LongTensor,
+    query_window: int = 0,
+    prefill_window: int | None = None,
+    num_sink_tokens: int = 64,
 ) -> SharedPrefix:
     """Run `model` once over `prefix_ids` `(B, P)` without gradient; return every layer's prefix K/V.
 
@@ -105,8 +110,19 @@ def run_shared_prefix(
         prefix_ids (`torch.LongTensor` of shape `(B, P)`): the prefix tokens.
         query_window (`int`, defaults to 0): how many of the last prefill queries to capture per full-attention
             layer (a query-scored policy's `query_window`); 0 captures none.
+        prefill_window (`int`, *optional*): run the prefix as `cache_config={"prefill_window": W}` prefills it at
+            inference (`cache/windowed_prefill.py`): in chunks of W tokens reading the `num_sink_tokens` sink and
+            the W tokens before them. `None`: full attention.
     """
     base = unwrap_transformers_model(model)
+    if prefill_window is not None and prefix_ids.shape[1] > prefill_window:
+        if query_window:
+            raise ValueError(
+                "a windowed prefix prefill cannot capture prefill queries for a query-scored policy"
+            )
+        recorder, _ = windowed_prefill(model, prefix_ids, num_sink_tokens, prefill_window, config=base.config)
+        keys, values = recorder.prompt_states()
+        return SharedPrefix(keys=keys, values=values, queries=[None] * len(keys), length=prefix_ids.shape[1])
     layer_types = _layer_types(base.config)
     layers = [
         _PrefixLayer(idx, layer_type in _SLIDING_TYPES, query_window if layer_type == "full_attention" else 0)

@@ -1,0 +1,127 @@
+"""A windowed draft prefill (`cache_config={"prefill_window": W}`): each chunk reads exactly the sink, the W tokens
+before it and itself (against a full forward under that mask), the one-liner stays lossless, and training builds
+the same prefix (`run_shared_prefix(..., prefill_window=W)`)."""
+
+import pytest
+import torch
+from tiny_models import model_pair, random_prompt
+from trainer_helpers import one_thread  # noqa: F401 (autouse fixture)
+from transformers import DynamicCache
+
+from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
+from hf_budgetdraft.attention.common import as_additive
+from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, windowed_prefill
+from hf_budgetdraft.trainer.views import SparseViewSpec, run_shared_prefix, view_logits
+
+SINK, WINDOW, LENGTH = 4, 16, 70  # chunks [0, 16), [16, 32), ... the last one partial
+
+
+def windowed_mask(length: int, sink: int, window: int) -> torch.Tensor:
+    """`(1, 1, L, L)` bool: query p (in the chunk starting at c = p // window * window) reads keys j < sink, keys
+    max(sink, c - window) <= j < c, and its own chunk causally."""
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    chunk_start = q // window * window
+    before = (k < chunk_start) & ((k < sink) | (k >= torch.clamp(chunk_start - window, min=sink)))
+    return (before | ((k >= chunk_start) & (k <= q)))[None, None]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_each_chunk_reads_the_sink_the_window_before_it_and_itself(attn):
+    _, drafter = model_pair("llama", attn)
+    ids = random_prompt(LENGTH, seed=3)
+    recorder, last = windowed_prefill(drafter, ids, SINK, WINDOW)
+    reference_cache = DynamicCache(config=drafter.config)
+    mask = as_additive(windowed_mask(LENGTH, SINK, WINDOW), torch.float32)  # eager adds its mask
+    with torch.no_grad():
+        reference = drafter(ids, attention_mask=mask, cache=reference_cache)
+    torch.testing.assert_close(last, reference.logits[:, -1], rtol=1e-4, atol=1e-4)
+    keys, values = recorder.prompt_states()
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        torch.testing.assert_close(k, reference_cache.layers[layer].keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, reference_cache.layers[layer].values, rtol=1e-4, atol=1e-5)
+    full = DynamicCache(config=drafter.config)
+    with torch.no_grad():
+        drafter(ids, cache=full)
+    assert not torch.allclose(keys[1], full.layers[1].keys, atol=1e-3)  # deeper layers read less than in full
+    torch.testing.assert_close(
+        keys[0], full.layers[0].keys, rtol=1e-5, atol=1e-6
+    )  # layer 0: token projections
+
+
+def test_a_window_covering_the_prompt_is_a_plain_prefill():
+    _, drafter = model_pair("llama", "sdpa")
+    ids = random_prompt(40, seed=4)
+    _, last = windowed_prefill(drafter, ids, SINK, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(last, drafter(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("cache_config", [{"cache": "budgeted", "budget": 24}, {"cache": "sink_window"}])
+@pytest.mark.parametrize("static", [False, True])
+def test_the_one_liner_with_a_windowed_prefill_is_lossless(family, cache_config, static):
+    target, drafter = model_pair(family, "sdpa")
+    ids = random_prompt(300, seed=5)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=24)
+    options = {k: v for k, v in cache_config.items() if k != "cache"}
+    if cache_config["cache"] == "sink_window":
+        options.update(num_sink_tokens=SINK, window_length=32)
+    options.update(prefill_window=WINDOW, static=static, compile=False)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=24,
+            cache_implementation=cache_config["cache"],
+            cache_config=options,
+        )
+    assert torch.equal(out, expected)
+    assert stats.plan.spec.prefill_window == WINDOW and stats.draft_prefill_seconds > 0
+
+
+def test_the_draft_cache_after_a_windowed_prefill_holds_what_training_views_select():
+    """Inference (the generator's windowed prefill + the cache's own update) and training (run_shared_prefix with
+    the same window + SparseViewSpec.build) read the same keys: their continuation logits agree."""
+    _, drafter = model_pair("llama", "sdpa")
+    ids = random_prompt(LENGTH + 8, seed=6)
+    prefix, continuation = ids[:, :LENGTH], ids[:, LENGTH:]
+    spec = SparseViewSpec(kind="budgeted", policy="chunk", policy_kwargs={"chunk_size": 4}, window_length=16)
+    shared = run_shared_prefix(drafter, prefix, prefill_window=WINDOW, num_sink_tokens=SINK)
+    with torch.no_grad():
+        trained = view_logits(drafter, continuation, spec.build(drafter.config, shared, 24))
+        recorder, _ = windowed_prefill(drafter, prefix, SINK, WINDOW)
+        cache = fill_from_prefix(
+            BudgetedCache(
+                drafter.config, budget=24, policy="chunk", policy_kwargs={"chunk_size": 4}, window_length=16
+            ),
+            *recorder.prompt_states(),
+        )
+        deployed = torch.cat(
+            [drafter(continuation[:, t : t + 1], cache=cache).logits for t in range(8)], dim=1
+        )
+    torch.testing.assert_close(trained, deployed, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_prefill_windows():
+    with pytest.raises(ValueError, match=r"prefill_window must be an int in \[1"):
+        DraftSpec(prefill_window=0)
+    with pytest.raises(ValueError, match=r"prefill_window must be an int in \[1"):
+        DraftSpec(prefill_window=True)
+    with pytest.raises(ValueError, match="scores the prefix with the prefill's queries"):
+        DraftSpec(policy="snapkv", prefill_window=64)
+    target, drafter = model_pair("llama", "sdpa")
+    batch = random_prompt(40, seed=7).repeat(2, 1)
+    with pytest.raises(ValueError, match="prefill_window are single-sequence fast paths"):
+        target.generate(
+            batch,
+            attention_mask=torch.ones_like(batch),
+            assistant_model=drafter,
+            max_new_tokens=4,
+            cache_implementation="budgeted",
+            cache_config={"prefill_window": 16},
+        )
+    _, hybrid = model_pair("gemma2", "eager")
+    with pytest.raises(ValueError, match="all full attention"):
+        WindowedPrefillCache(hybrid.config, SINK, WINDOW, 40)
