@@ -68,7 +68,15 @@ def run_part(name: str, demo, stream: torch.LongTensor, threads: int, text_name:
     began = time.perf_counter()
     for context, batch_sizes in cells.items():
         records += batched_grid(
-            demo.target, demo.drafter, stream, [context], batch_sizes, new_tokens, repeats, methods, sampling
+            demo.target,
+            demo.drafter_for(bool(sampling)),
+            stream,
+            [context],
+            batch_sizes,
+            new_tokens,
+            repeats,
+            methods,
+            sampling,
         )
         print(
             f"{name}: {context} done after {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True

@@ -2,12 +2,15 @@
 write each folder's model card.
 
     python scripts/export_demo.py --target runs/drafts/target_with_mtp --base-drafter runs/drafts/drafter \
-        --adapter runs/budgetdraft/lora_adapter --commands scripts/demo_commands.json --threads 2
+        --adapter runs/budgetdraft/lora_adapter --sampling-adapter runs/budgetdraft_sampling/lora_adapter \
+        --commands scripts/demo_commands.json --threads 2
 
 Measured on the bundled (bf16-stored, fp32-loaded) weights: passkey retrieval at several lengths with the needle at
 random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-split perplexity with 2K, 4K, 8K and
 16K-token windows over the same tokens, and each drafter's top-1 agreement with the target on eval text and on the
-target's own greedy continuation of it (the text a drafter drafts at inference).
+target's own greedy continuation of it (the text a greedy call drafts), and its expected sampling acceptance
+`E[sum_x min(p(x), q(x))]` at temperatures 0.8 and 1.0 on the target's own sampled continuation (the text a
+sampling call drafts).
 """
 
 from __future__ import annotations
@@ -87,6 +90,26 @@ def greedy_continuation(target, prefix: torch.LongTensor, new_tokens: int) -> to
     return out[0]
 
 
+@torch.inference_mode()
+def sampling_acceptance(
+    target, drafter, prefix: torch.LongTensor, new_tokens: int, temperature: float
+) -> float:
+    """Mean `sum_x min(p(x), q(x))` over the target's own sampled continuation of `prefix` [T] (`new_tokens`
+    positions, seeded): what speculative sampling accepts per drafted token, both models at `temperature`."""
+    torch.manual_seed(0)
+    text = target.generate(
+        prefix[None],
+        do_sample=True,
+        temperature=temperature,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+    )[0, :-1]
+    start = prefix.numel() - 1
+    p = (target(text[None]).logits[0, start:] / temperature).softmax(-1)
+    q = (drafter(text[None]).logits[0, start:] / temperature).softmax(-1)
+    return torch.minimum(p, q).sum(-1).mean().item()
+
+
 def card(title: str, body: str, metrics: dict) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in metrics.items())
     return f"# {title}\n\n{body.strip()}\n\n## Measured (bundled bf16 weights, loaded in fp32, CPU)\n\n| metric | value |\n|---|---|\n{rows}\n"
@@ -100,6 +123,9 @@ def main() -> None:
     parser.add_argument("--base-drafter", type=Path, required=True)
     parser.add_argument("--adapter", type=Path, required=True, help="the BudgetDraft LoRA adapter folder")
     parser.add_argument(
+        "--sampling-adapter", type=Path, required=True, help="the sampling drafter's LoRA adapter folder"
+    )
+    parser.add_argument(
         "--commands", type=Path, required=True, help="JSON: per model, its card title, prose file, commands"
     )
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
@@ -112,9 +138,11 @@ def main() -> None:
     export_folder(args.target, "target")
     export_folder(args.base_drafter, "base_drafter")
     export_folder(args.adapter, "drafter")
+    export_folder(args.sampling_adapter, "sampling_drafter")
     demo = load_demo_models()
     started = time.time()
-    metrics = {"target": {}, "base_drafter": {}, "drafter": {}}
+    drafters = ("base_drafter", "drafter", "sampling_drafter")
+    metrics = {"target": {}, **{name: {} for name in drafters}}
     for length in (int(x) for x in args.passkey_lengths.split(",")):
         accuracy = passkey_accuracy(demo.target, demo.tokenizer, length, args.passkey_samples, seed=10_000)
         metrics["target"][f"passkey @{length} ({args.passkey_samples} keys, random depth)"] = (
@@ -128,17 +156,21 @@ def main() -> None:
         print(f"perplexity @{context}: {ppl:.2f}", flush=True)
     on_policy = greedy_continuation(demo.target, ids[:2048], 256)[:-1]
     target_top1, target_on_policy_top1 = top1(demo.target, ids[:2048]), top1(demo.target, on_policy, 2047)
-    for name in ("base_drafter", "drafter"):
+    for name in drafters:
         agreement = top1_agreement(getattr(demo, name), target_top1, ids[:2048])
         metrics[name]["top-1 agreement with the target, 2,048 eval tokens, full cache"] = f"{agreement:.1%}"
         agreement = top1_agreement(getattr(demo, name), target_on_policy_top1, on_policy, 2047)
         metrics[name][
             "top-1 agreement on the target's own greedy continuation (256 tokens after those 2,048)"
         ] = f"{agreement:.1%}"
+        for temperature in (0.8, 1.0):
+            accept = sampling_acceptance(demo.target, getattr(demo, name), ids[:2048], 256, temperature)
+            metrics[name][
+                f"expected sampling acceptance at T {temperature} on the target's own sampled continuation (256 "
+                "tokens after those 2,048)"
+            ] = f"{accept:.1%}"
     parameters = {
-        "target": sum(p.numel() for p in demo.target.parameters()),
-        "base_drafter": sum(p.numel() for p in demo.base_drafter.parameters()),
-        "drafter": sum(p.numel() for p in demo.drafter.parameters()),
+        name: sum(p.numel() for p in getattr(demo, name).parameters()) for name in ("target", *drafters)
     }
     commands = json.loads(args.commands.read_text())
     for name, info in commands.items():

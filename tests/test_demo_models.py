@@ -29,7 +29,7 @@ def demo():
 def test_bundle_is_complete_small_and_documented():
     files = [f for f in DEMO_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts]
     assert sum(f.stat().st_size for f in files) <= 25 * 1024**2
-    for name in ("target", "base_drafter", "drafter"):
+    for name in ("target", "base_drafter", "drafter", "sampling_drafter"):
         card = (DEMO_DIR / name / "README.md").read_text()
         assert "## Reproduce" in card and "python " in card and "training time" in card
 
@@ -38,10 +38,12 @@ def test_load_demo_models_offline(demo):
     assert demo.target.config.model_type == "glm4_moe" and demo.target.config.num_mtp_layers == 1
     assert demo.base_drafter.config.vocab_size == demo.target.config.vocab_size == len(demo.tokenizer)
     assert 1e6 <= sum(p.numel() for p in demo.base_drafter.parameters()) <= 3e6
-    assert not hasattr(demo.drafter, "peft_config")  # merged into a plain model
-    # the BudgetDraft adapter changed the drafter
-    base, trained = demo.base_drafter.state_dict(), demo.drafter.state_dict()
-    assert any(not torch.equal(base[k], trained[k]) for k in base)
+    for drafter in (demo.drafter, demo.sampling_drafter):
+        assert not hasattr(drafter, "peft_config")  # merged into a plain model
+        # the BudgetDraft adapter changed the drafter
+        base, trained = demo.base_drafter.state_dict(), drafter.state_dict()
+        assert any(not torch.equal(base[k], trained[k]) for k in base)
+    assert demo.drafter_for(do_sample=True) is demo.sampling_drafter and demo.drafter_for(False) is demo.drafter
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_demo_models(dtype="int4")
 
@@ -90,6 +92,7 @@ def test_target_retrieves_passkeys(demo):
         ("base_drafter", None, None),
         ("drafter", "budgeted", {"budget": 256, "window_length": 64, "policy": "chunk"}),
         ("drafter", "sink_window", {"num_sink_tokens": 16, "window_length": 128}),
+        ("sampling_drafter", "budgeted", {}),
         ("mtp", None, None),
         ("mtp", "sink_window", {"num_sink_tokens": 16, "window_length": 128}),
     ],

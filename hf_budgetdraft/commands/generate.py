@@ -246,7 +246,7 @@ def _models(args: GenerateArguments):
         from ..demo import load_demo_models
 
         demo = load_demo_models()
-        return demo.target, demo.drafter, demo.tokenizer
+        return demo.target, demo.drafter_for(args.do_sample), demo.tokenizer
     return _load_pair(args)
 
 

@@ -53,19 +53,21 @@ def smoke_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     return BenchModels(bundled_tokenizer(), targets, {"drafter": drafter}, description)
 
 
-def demo_models() -> BenchModels:
-    """The bundled demo models (`hf_budgetdraft.demo.load_demo_models`)."""
+def demo_models(do_sample: bool = False) -> BenchModels:
+    """The bundled demo models (`hf_budgetdraft.demo.load_demo_models`); `drafter` is the one trained for the
+    bench's kind of call (the sampling drafter with `do_sample`)."""
     from ..demo import load_demo_models
 
     demo = load_demo_models()
+    kind = "sampling" if do_sample else "greedy"
     return BenchModels(
         demo.tokenizer,
         {"target": demo.target, "mtp": demo.target},  # the target's own trained MTP layer drafts for `mtp`
-        {"base_drafter": demo.base_drafter, "drafter": demo.drafter},
+        {"base_drafter": demo.base_drafter, "drafter": demo.drafter_for(do_sample)},
         {
             "target": "bundled demo target (GLM-4-style, 7 dense layers, 9.9M)",
             "mtp": "the bundled target with its trained MTP layer",
-            "drafter": "bundled BudgetDraft drafter (base drafter + BudgetDraft LoRA)",
+            "drafter": f"bundled BudgetDraft drafter for {kind} calls (base drafter + BudgetDraft LoRA)",
             "base_drafter": "bundled base drafter (Llama, distilled on a full cache)",
         },
     )
@@ -101,7 +103,7 @@ def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     if args.preset == "smoke":
         models = smoke_models(args, mtp_dir)
     elif args.preset == "demo":
-        models = demo_models()
+        models = demo_models(args.do_sample)
         if args.mtp_model:
             from transformers import AutoModelForCausalLM
 

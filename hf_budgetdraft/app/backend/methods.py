@@ -37,13 +37,14 @@ def speculative_call(request: RunRequest, pair: ModelPair) -> tuple[dict, int]:
                 },
             }
         return kwargs, pair.num_mtp_layers
-    kwargs = {"assistant_model": pair.drafter}
+    drafter = pair.drafter_for(request.sampling)
+    kwargs = {"assistant_model": drafter}
     if method in ("sink_window", "budgeted"):  # the request's spec alone decides the draft length
-        configure_drafter(pair.drafter, None)
+        configure_drafter(drafter, None)
         spec = draft_spec(request)
         kwargs |= {"cache_implementation": spec.cache, "cache_config": spec.to_cache_config()}
     else:  # native: stock assisted generation reads a fixed γ from the drafter (0: transformers' default)
-        configure_drafter(pair.drafter, request.gamma or None)
+        configure_drafter(drafter, request.gamma or None)
     return kwargs, request.gamma
 
 

@@ -20,7 +20,7 @@ MODEL_LOCAL = "local"
 DEFAULT_MODEL = MODEL_DEMO  # the bundled pair ships inside the package
 
 MODEL_LABELS = {
-    MODEL_DEMO: "Bundled demo pair: target + BudgetDraft-trained drafter",
+    MODEL_DEMO: "Bundled demo pair: target + BudgetDraft-trained drafters (greedy / sampling)",
     MODEL_DEMO_BASE: "Bundled demo pair: target + base drafter (before BudgetDraft)",
     MODEL_SMOKE: "Smoke pair: tiny RANDOM weights (checks losslessness and the UI, not quality)",
     MODEL_SMOKE_MTP: "Smoke MTP model: tiny RANDOM weights + random MTP head (checks windowed MTP, not quality)",

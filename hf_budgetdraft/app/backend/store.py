@@ -44,6 +44,8 @@ class ModelPair:
         drafter (`PreTrainedModel`, *optional*): the draft model (`None`: AR and MTP methods only).
         num_mtp_layers (`int`): the target's MTP depth (0: no MTP methods).
         random_weights (`bool`): random models (they check losslessness and the page, not speed or quality).
+        sampling_drafter (`PreTrainedModel`, *optional*): a draft model trained for sampling calls (the bundled
+            pair's); `None`: `drafter` drafts for both.
     """
 
     key: str
@@ -53,6 +55,11 @@ class ModelPair:
     drafter: torch.nn.Module | None
     num_mtp_layers: int = 0
     random_weights: bool = False
+    sampling_drafter: torch.nn.Module | None = None
+
+    def drafter_for(self, sampling: bool) -> torch.nn.Module | None:
+        """The drafter of a greedy or a sampling run."""
+        return self.sampling_drafter if sampling and self.sampling_drafter is not None else self.drafter
 
     def methods(self) -> list[str]:
         """The methods these models can run."""
@@ -228,10 +235,14 @@ class ModelStore:
 
     def _load_demo(self, model: str, key: str) -> ModelPair:
         demo = demo_package.load_demo_models()
-        drafter = demo.base_drafter if model == MODEL_DEMO_BASE else demo.drafter
+        base = model == MODEL_DEMO_BASE
+        drafter, sampling_drafter = (
+            (demo.base_drafter, None) if base else (demo.drafter, demo.sampling_drafter)
+        )
         target = demo.target.eval()
+        mtp = _num_mtp_layers(target)
         return ModelPair(
-            key, MODEL_LABELS[model], demo.tokenizer, target, drafter.eval(), _num_mtp_layers(target)
+            key, MODEL_LABELS[model], demo.tokenizer, target, drafter, mtp, False, sampling_drafter
         )
 
     def _load_local(self, target_path: str, drafter_path: str, key: str) -> ModelPair:

@@ -92,7 +92,7 @@ def _speculative(
     if request.method in MTP_METHODS:
         full_draft = full_kv_bytes(pair.target, sequence, mtp=True)
     else:
-        full_draft = full_kv_bytes(pair.drafter, sequence)
+        full_draft = full_kv_bytes(pair.drafter_for(request.sampling), sequence)
     return {
         "method": method_title(request, gamma),
         "new_tokens": len(spec.tokens),
