@@ -13,8 +13,12 @@ of the text. Texts: English prose outside the training corpus (the licence texts
 - `gamma4`, `gamma6`, `heuristic`: the same call with `cache_config={"draft_length": ...}` (every other default);
 - `oneliner+compile`, `gamma6+compile`: with `cache_config={"compile": True}` (the step compiled once, before
   timing; `gamma6+compile` is the hand-tuned setting: static cache, varlen drafter, compiled step, fast target);
-- `*@T0.8`, `*@T1.0`: sampling (`do_sample=True, temperature=T`, transformers' default top-k 50) for `ar_fast` and
-  the one-liner, seeded alike.
+- `*@T0.7`, `*@T0.8`, `*@T1.0`: sampling (`do_sample=True, temperature=T`, transformers' default top-k 50) for
+  `ar_fast` and the one-liner (with the bundled `sampling_drafter`), seeded alike;
+- `prefill1024`: the one-liner with `cache_config={"prefill_window": 1024}` (the drafter's windowed prefill, opt-in);
+- `mtp`, `mtp@T0.8`: the target's own MTP head, `target.generate(ids, use_mtp=True,
+  cache_implementation="sink_window")` and nothing else (windowed MTP's defaults: adaptive draft length, fast
+  target).
 
 The one-liner rows use their own copy of the drafter, so the compiled step of the `+compile` rows is never reused
 by them (a process that compiled once reuses the step, which would flatter the default), and only their own eager
@@ -41,12 +45,12 @@ import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.eval.batched import interval_text, number_text
-from hf_budgetdraft.eval.runners import run_ar, run_assisted
+from hf_budgetdraft.eval.runners import run_ar, run_assisted, run_mtp
 
 LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# row -> (cache_config of the one-liner call, or None for plain AR; AR setup; sampling temperature)
+# row -> (cache_config of the one-liner call, or None for plain AR; AR setup, or "mtp"; sampling temperature)
 ROWS = {
     "ar_stock": (None, "stock", None),
     "ar_fast": (None, "fast", None),
@@ -60,6 +64,11 @@ ROWS = {
     "oneliner@T0.8": ({}, None, 0.8),
     "ar_fast@T1.0": (None, "fast", 1.0),
     "oneliner@T1.0": ({}, None, 1.0),
+    "ar_fast@T0.7": (None, "fast", 0.7),
+    "oneliner@T0.7": ({}, None, 0.7),
+    "prefill1024": ({"prefill_window": 1024}, None, None),
+    "mtp": ({}, "mtp", None),
+    "mtp@T0.8": ({}, "mtp", 0.8),
 }
 
 
@@ -78,8 +87,12 @@ def run_row(name: str, demo, drafters: dict, ids: torch.LongTensor, new_tokens: 
     torch.manual_seed(seed)
     if cache_config is None:
         return run_ar(demo.target, ids, new_tokens, setup, sampling)
+    if setup == "mtp":
+        return run_mtp(demo.target, ids, new_tokens, "sink_window", cache_config, sampling)
     if cache_config.get("compile"):
         drafter = drafters["compiled"]
+    elif temperature:  # a sampling call drafts with the drafter trained for sampling
+        drafter = drafters["sampling"]
     else:  # the one-liner rows' drafter drafts for nothing else, so only their own eager steps feed its ski rental
         drafter = drafters["default" if name.startswith("oneliner") else "explicit"]
     return run_assisted(
@@ -241,6 +254,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     demo = load_demo_models()
     drafters = {name: copy.deepcopy(demo.drafter) for name in ("default", "explicit", "compiled")}
+    drafters["sampling"] = demo.sampling_drafter
     prompts = {k: v for k, v in texts(demo.tokenizer).items() if args.texts is None or k in args.texts}
     if any(ROWS[r][0] and ROWS[r][0].get("compile") for r in args.rows):  # compile once, untimed
         began = time.perf_counter()
