@@ -43,7 +43,9 @@ def test_load_demo_models_offline(demo):
         # the BudgetDraft adapter changed the drafter
         base, trained = demo.base_drafter.state_dict(), drafter.state_dict()
         assert any(not torch.equal(base[k], trained[k]) for k in base)
-    assert demo.drafter_for(do_sample=True) is demo.sampling_drafter and demo.drafter_for(False) is demo.drafter
+    assert (
+        demo.drafter_for(do_sample=True) is demo.sampling_drafter and demo.drafter_for(False) is demo.drafter
+    )
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_demo_models(dtype="int4")
 

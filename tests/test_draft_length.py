@@ -84,7 +84,8 @@ def test_adaptive_corrects_an_inflated_first_ar_measurement():
     """The first AR step took 3x its cost (a noise spike): drafting looks better than it is. The periodic AR
     re-measurement corrects the estimate, and the policy ends up on plain AR, where it belongs."""
     acceptance, verify_base, verify_slope, draft_step, ar_step = 0.3, 1.3, 0.1, 0.15, 1.0
-    assert best_length(acceptance, verify_base, verify_slope, draft_step, 16) > 0  # against the slow verify...
+    # were an AR step as slow as the verify (1.3), drafting would pay...
+    assert best_length(acceptance, verify_base, verify_slope, draft_step, 16) > 0
     rng, policy, chosen, first_ar = random.Random(1), AdaptiveDraftLength(maximum=16), [], True
     for _ in range(400):
         gamma = policy.next_length()
