@@ -36,6 +36,7 @@ import copy
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -142,7 +143,15 @@ def summarise(records: list[dict]) -> list[dict]:
             values = [r[key] for r in cell if r.get(key)]
             if values:
                 row[key] = bootstrap(values)
-        for key in ("decode_tokens_per_second", "seconds", "mean_accepted_length", "ar_rounds", "rounds"):
+        for key in (
+            "decode_tokens_per_second",
+            "seconds",
+            "mean_accepted_length",
+            "ar_rounds",
+            "rounds",
+            "target_prefill_seconds",
+            "draft_prefill_seconds",
+        ):
             values = [r[key] for r in cell if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
         for key in ("draft_ms", "verify_ms", "overhead_ms", "drafted_per_round", "predicted_vs_fast_ar"):
@@ -178,19 +187,24 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ),
         "| text | context | row | decode tok/s | decode vs stock AR | decode vs fast AR | e2e vs stock AR | "
         "e2e vs fast AR | tokens a round | AR steps | draft / verify / overhead ms a round | predicted vs fast "
-        "AR | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "AR | prefill s: target / drafter | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         phases = (
             f"{num(r['draft_ms'])} / {num(r['verify_ms'])} / {num(r['overhead_ms'])}" if r["draft_ms"] else ""
+        )
+        prefills = (
+            f"{num(r['target_prefill_seconds'], 2)} / {num(r['draft_prefill_seconds'], 2)}"
+            if r.get("target_prefill_seconds")
+            else ""
         )
         lines.append(
             f"| {r['text']} | {r['context']} | {r['row']} | {num(r['decode_tokens_per_second'])} | "
             f"{ci(r.get('decode_vs_ar_stock'))} | {ci(r.get('decode_vs_ar_fast'))} | "
             f"{ci(r.get('e2e_vs_ar_stock'))} | {ci(r.get('e2e_vs_ar_fast'))} | "
             f"{num(r['mean_accepted_length'], 2)} | {num(r['ar_rounds'], 0)} | {phases} | "
-            f"{num(r['predicted_vs_fast_ar'], 2)} | {'' if '@T' in r['row'] else r['identical']} |"
+            f"{num(r['predicted_vs_fast_ar'], 2)} | {prefills} | {'' if '@T' in r['row'] else r['identical']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -278,9 +292,7 @@ def main() -> None:
     rows = summarise(records)
     compile_seconds = compile_cost(args.threads, 8192, args.new_tokens) if args.compile_cost else None
     meta = {
-        "command": "python benchmarks/fast_default.py " + " ".join(
-            [f"--threads {args.threads}", "--contexts", *map(str, args.contexts), f"--repeats {args.repeats}"]
-        ),
+        "command": "python benchmarks/fast_default.py " + " ".join(sys.argv[1:]),
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
