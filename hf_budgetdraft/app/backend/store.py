@@ -236,13 +236,15 @@ class ModelStore:
     def _load_demo(self, model: str, key: str) -> ModelPair:
         demo = demo_package.load_demo_models()
         base = model == MODEL_DEMO_BASE
-        drafter, sampling_drafter = (
-            (demo.base_drafter, None) if base else (demo.drafter, demo.sampling_drafter)
-        )
         target = demo.target.eval()
-        mtp = _num_mtp_layers(target)
         return ModelPair(
-            key, MODEL_LABELS[model], demo.tokenizer, target, drafter, mtp, False, sampling_drafter
+            key,
+            MODEL_LABELS[model],
+            demo.tokenizer,
+            target,
+            demo.base_drafter if base else demo.drafter,
+            num_mtp_layers=_num_mtp_layers(target),
+            sampling_drafter=None if base else demo.sampling_drafter,
         )
 
     def _load_local(self, target_path: str, drafter_path: str, key: str) -> ModelPair:
