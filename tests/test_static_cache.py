@@ -394,3 +394,66 @@ def test_query_scored_static_budget_needs_capture():
     with torch.no_grad(), query_capture(drafter):
         drafter(ids[:, :50], cache=captured)
     assert all(layer.num_kept == 16 for layer in captured.layers)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sink=st.integers(0, 5),
+    window=st.integers(1, 12),
+    skipped=st.integers(0, 30),
+    extra=st.integers(0, 5),
+    steps=st.lists(st.integers(1, SLACK), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_skipping_what_the_window_drops_changes_nothing_a_query_reads(
+    static, sink, window, skipped, extra, steps, seed
+):
+    """`skip`: a layer fed the sink, then `skip(n)`, then the last `window + extra` tokens shows every later query
+    exactly what a layer fed the whole sequence shows (a position's keys depend only on its own inputs)."""
+    layer_class = StaticSinkWindowLayer if static else SinkWindowLayer
+    whole, skipping = (layer_class(num_sink_tokens=sink, window_length=window, slack=SLACK) for _ in range(2))
+    generator = torch.Generator().manual_seed(seed)
+    head = max(sink, 1)
+    keys, values = _kv(head + skipped + window + extra, generator)
+
+    def feed(layer, k, v):
+        attention_kwargs = {}
+        out = layer.update(k, v, kwargs=attention_kwargs)
+        if STATIC_LAYER_KWARG not in attention_kwargs:
+            return out, None
+        return out, layer.consume_key_mask()
+
+    feed(whole, keys, values)
+    feed(skipping, keys[:, :, :head], values[:, :, :head])
+    skipping.skip(skipped)
+    feed(skipping, keys[:, :, head + skipped :], values[:, :, head + skipped :])
+    assert int(skipping.get_seq_length()) == int(whole.get_seq_length())
+    for tokens in steps:
+        new = _kv(tokens, generator)
+        shown = []  # per layer: for each new query, the keys and values it reads, in position order
+        for layer in (whole, skipping):
+            (k, v), mask = feed(layer, *new)
+            past = k.shape[2] - tokens
+            if mask is None:  # dynamic: [visible past, new], the new block causal
+                shown.append([(k[:, :, : past + i + 1], v[:, :, : past + i + 1]) for i in range(tokens)])
+            else:
+                shown.append([_visible_in_position_order(layer, mask[:, :, i]) for i in range(tokens)])
+        for (k_skip, v_skip), (k_whole, v_whole) in zip(shown[1], shown[0], strict=True):
+            assert torch.equal(k_skip, k_whole) and torch.equal(v_skip, v_whole)
+
+
+@pytest.mark.parametrize("layer_class", [SinkWindowLayer, StaticSinkWindowLayer])
+def test_skip_errors_teach(layer_class):
+    layer = layer_class(num_sink_tokens=4, window_length=8, slack=SLACK)
+    with pytest.raises(ValueError, match="store the sink"):
+        layer.skip(5)
+    layer.update(*_kv(3, torch.Generator().manual_seed(0)), kwargs={})
+    with pytest.raises(ValueError, match="store the sink"):  # the sink is not full yet
+        layer.skip(5)
+    layer.update(*_kv(9, torch.Generator().manual_seed(1)))
+    layer.skip(20)
+    with pytest.raises(ValueError, match="never stored"):
+        layer.crop(-1)  # back before the skipped positions
+    with pytest.raises(ValueError, match="count of positions"):
+        layer.skip(-1)

@@ -126,9 +126,12 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     assert stats.accepted_per_round == dynamic_stats.accepted_per_round
     assert stats.proposed_per_round == dynamic_stats.proposed_per_round
     blocks = [n for kind, n in forwards if kind == "block"]
-    assert (
-        blocks == [ids.shape[1]] * num_mtp_layers or blocks == [ids.shape[1] - 1] * num_mtp_layers
-    )  # prefills
+    if (
+        num_mtp_layers == 1
+    ):  # its prefill feeds only the sink and the window (the rest is skipped): steps here
+        assert blocks == []
+    else:  # the stock generator's prefill of the whole prompt
+        assert blocks in ([ids.shape[1]] * num_mtp_layers, [ids.shape[1] - 1] * num_mtp_layers)
     assert sum(kind == "step" for kind, _ in forwards) >= stats.rounds - 2  # every later forward: in place
 
 
@@ -210,6 +213,43 @@ def test_adaptive_mtp_head_catches_up_on_the_rounds_it_skipped(family, tmp_root,
     assert stats.draft_length_policy == "pattern" and 0 < stats.ar_rounds < stats.rounds - 1
     shared = set(pattern) & set(every_round)
     assert len(shared) >= 3 and all(pattern[n] == every_round[n] for n in shared)
+
+
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_windowed_catch_up_feeds_the_head_only_the_sink_and_the_window(family, tmp_root, monkeypatch):
+    """A catch-up longer than the window (the deferred prefill, many skipped rounds) feeds the head the sink and the
+    last `window_length` positions and skips the rest: the head's cache then holds what the whole block would leave,
+    so every later proposal equals the whole-block catch-up's; the output is the target's."""
+    model = load(family, tmp_root)
+    ids = random_prompt(400, seed=8)
+    expected = model.generate(ids, do_sample=False, max_new_tokens=32)
+    monkeypatch.setattr(mtp_module, "AdaptiveDraftLength", lambda maximum: PatternLength([0] * 6 + [1] * 4))
+    head_inputs, forward_layer = [], MtpModel.forward_layer
+    monkeypatch.setattr(
+        MtpModel,
+        "forward_layer",
+        lambda self, i, hidden, *a, **k: (
+            head_inputs.append(hidden.shape[1]) or forward_layer(self, i, hidden, *a, **k)
+        ),
+    )
+    runs = {}
+    for skip in (True, False):
+        monkeypatch.setattr(mtp_module.AdaptiveMtpCandidateGenerator, "skip_what_the_window_drops", skip)
+        proposals = _record_proposals(monkeypatch)
+        head_inputs.clear()
+        out, stats = generate(
+            model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=WINDOW
+        )
+        assert torch.equal(out, expected)
+        runs[skip] = dict(proposals), max(head_inputs)
+    (skipping, longest_skipping), (whole, longest_whole) = runs[True], runs[False]
+    assert longest_whole >= ids.shape[1] - 1 and longest_skipping <= WINDOW["window_length"]
+    catch_up_rounds = sorted(skipping)[
+        :: 10 // 4
+    ]  # not compared: their first query reads less than the block
+    later = [n for n in skipping if n not in catch_up_rounds[:1]]
+    assert set(skipping) == set(whole) and len(later) >= 3
+    assert all(skipping[n] == whole[n] for n in later)
 
 
 @pytest.mark.parametrize("family", list(MTP_FAMILIES))

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from .base import SparseDraftCache, SparseDraftLayer, check_size
-from .static import StaticSinkWindowLayer, check_static_flag
+from .static import StaticSinkWindowLayer, check_crop_after_skip, check_skip, check_static_flag
 
 
 class SinkWindowLayer(SparseDraftLayer):
@@ -46,6 +46,19 @@ class SinkWindowLayer(SparseDraftLayer):
             self.ring.write(key_states[:, :, into_sink:], value_states[:, :, into_sink:], length + into_sink)
         self.cumulative_length = length + new
         return keys, values
+
+    def skip(self, count: int) -> None:
+        """Advance the logical length over `count` positions that are never stored: they would have left the window
+        before any query reads them. Needs a full sink; the ring restarts at the new length, and no crop goes back
+        before it."""
+        check_skip(count, self.cumulative_length, self.num_sink_tokens)
+        self.cumulative_length += count
+        self.ring.restart(self.cumulative_length)
+        self.skipped_to = self.cumulative_length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        check_crop_after_skip(tokens_to_remove, self.cumulative_length, getattr(self, "skipped_to", 0))
+        super().crop(tokens_to_remove)
 
 
 class SinkWindowCache(SparseDraftCache):
@@ -80,3 +93,18 @@ class SinkWindowCache(SparseDraftCache):
         self.num_sink_tokens, self.window_length, self.static = num_sink_tokens, window_length, static
         layer_class = StaticSinkWindowLayer if static else SinkWindowLayer
         super().__init__(config, lambda idx: layer_class(num_sink_tokens, window_length, slack), slack)
+
+    def can_skip(self) -> bool:
+        """Whether `skip` applies: every layer is a sink + window layer (a model's own sliding layers keep theirs)."""
+        return all(isinstance(layer, (SinkWindowLayer, StaticSinkWindowLayer)) for layer in self.layers)
+
+    def skip(self, count: int) -> None:
+        """Advance every layer over `count` positions nothing will read: a draft head catching up on a long block
+        only needs the sink and the last `window_length` positions' keys (a position's keys depend only on its own
+        inputs), so it feeds those and skips the rest."""
+        if not self.can_skip():
+            raise ValueError(
+                "skip() needs every cache layer to be a sink + window layer; this model keeps its own sliding layers"
+            )
+        for layer in self.layers:
+            layer.skip(count)

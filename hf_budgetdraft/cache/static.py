@@ -66,6 +66,25 @@ def check_static_attention(config: PreTrainedConfig) -> None:
         )
 
 
+def check_skip(count: int, length: int, num_sink_tokens: int) -> None:
+    """Refuse a `skip` that is not a count, or that comes before the sink is full (and before any stored token)."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"skip takes a count of positions >= 0, got {count!r}")
+    if length < max(num_sink_tokens, 1):
+        raise ValueError(
+            f"skip({count}) at length {length}: store the sink ({num_sink_tokens} tokens, and at least one token) "
+            "first, since skipped positions are never stored"
+        )
+
+
+def check_crop_after_skip(tokens_to_remove: int, length: int, skipped_to: int) -> None:
+    if length + int(tokens_to_remove) < skipped_to:
+        raise ValueError(
+            f"crop({tokens_to_remove}) goes back to {length + int(tokens_to_remove)}, before position {skipped_to} "
+            "where positions were skipped (never stored); it cannot be rolled back"
+        )
+
+
 class StaticDraftLayer(CacheLayerMixin):
     """One attention layer of a static draft cache: `static_capacity` static slots + a ring of `window + slack`.
 
@@ -341,6 +360,20 @@ class StaticSinkWindowLayer(StaticDraftLayer):
 
     def _num_static_visible(self, length: int) -> int:
         return min(self.num_sink_tokens, length)
+
+    def skip(self, count: int) -> None:
+        """`SinkWindowLayer.skip`: advance over `count` positions never stored; the ring restarts after them."""
+        length = int(self.length) if self.is_initialized else 0
+        check_skip(count, length, self.num_sink_tokens)
+        self.length.fill_(length + count)
+        self.ring_start.fill_(length + count)
+        self.ring_positions.fill_(-1)
+        self.skipped_to = length + count
+
+    def crop(self, tokens_to_remove) -> None:
+        length = int(self.length) if self.is_initialized else 0
+        check_crop_after_skip(tokens_to_remove, length, getattr(self, "skipped_to", 0))
+        super().crop(tokens_to_remove)
 
 
 class StaticBudgetedLayer(PrefixSelection, StaticDraftLayer):

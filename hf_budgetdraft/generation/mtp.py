@@ -27,6 +27,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
 from transformers.utils import logging
 
+from ..cache.sink_window import SinkWindowCache
 from ..cache.windowed import WindowedMtpCache
 from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, RoundClock
 
@@ -58,7 +59,8 @@ def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -
 def mtp_draft_length(cache_config: dict | None, num_mtp_layers: int) -> DraftLength | None:
     """The draft-length policy of a windowed-MTP call, from `cache_config["draft_length"]`: `"adaptive"` (the
     default) drafts each round only when the policy predicts it pays, for a one-layer head; a deeper head drafts its
-    fixed chain (`None`: transformers' own loop), as does `draft_length=num_mtp_layers`; `0` never drafts."""
+    fixed chain (`None`: transformers' own loop), as does `draft_length=num_mtp_layers` (for one layer, through the
+    same generator as the adaptive policy, so its catch-up is windowed too); `0` never drafts."""
     length = (cache_config or {}).get("draft_length", "adaptive")
     if length == "adaptive":
         if num_mtp_layers == 1:
@@ -70,7 +72,7 @@ def mtp_draft_length(cache_config: dict | None, num_mtp_layers: int) -> DraftLen
         return None
     if isinstance(length, int) and not isinstance(length, bool):
         if length == num_mtp_layers:
-            return None
+            return FixedDraftLength(1) if num_mtp_layers == 1 else None
         if length == 0 and num_mtp_layers == 1:
             return FixedDraftLength(0)
     raise ValueError(
@@ -175,13 +177,18 @@ class AdaptiveMtpCandidateGenerator(MTPCandidateGenerator):
     The head's cache must still see every token: the hidden states the target produced for the tokens of skipped
     rounds are kept, `(1, n, H)` each, and fed with the next drafting round's in one block (the head's prefill too,
     when the first rounds are skipped). A one-layer head never rolls its cache back (its input is always a
-    verified token), so no skipped round leaves anything to undo.
+    verified token), so no skipped round leaves anything to undo. On a sink + window cache a block longer than the
+    window is fed in two parts: what the sink still lacks, then its last `window_length` positions; the positions
+    between are skipped (`SinkWindowCache.skip`) — a position's keys depend only on its own inputs, and those would
+    have left the window unread — so catching up costs O(window), not the O(L²) prefill of the whole prompt.
 
     Args:
         stock (`MTPCandidateGenerator`): the generator transformers built for the call (its MTP model, cache and
             sampling settings are taken over).
         draft_length (`DraftLength`): the policy; `next_length()` is 0 or 1.
     """
+
+    skip_what_the_window_drops = True
 
     def __init__(self, stock: MTPCandidateGenerator, draft_length: DraftLength):
         if stock.num_mtp_layers != 1:
@@ -212,6 +219,8 @@ class AdaptiveMtpCandidateGenerator(MTPCandidateGenerator):
         if self.draft_length.next_length() > 0:
             unseen = torch.cat(self._skipped, dim=1) if len(self._skipped) > 1 else self._skipped[0]
             self._skipped = []
+            if self.skip_what_the_window_drops:
+                unseen = self._feed_sink_and_skip(unseen, input_ids, model_kwargs, kwargs)
             # the stock generator feeds the head the last `n_last_matches + 1` tokens with these hidden states (at
             # its own first call, every token so far: the prefill and the skipped rounds)
             outputs = SimpleNamespace(hidden_states=(unseen,))
@@ -220,6 +229,32 @@ class AdaptiveMtpCandidateGenerator(MTPCandidateGenerator):
             )
         self.clock.drafted(candidates.shape[1] - input_ids.shape[1])
         return candidates, logits
+
+    def _feed_sink_and_skip(self, unseen, input_ids, model_kwargs, kwargs) -> torch.Tensor:
+        """Of the unseen hidden states `(1, n, H)` (the head's inputs are the last n tokens), feed the head the ones the
+        sink still needs, skip those the window would drop, and return the last `window_length` for the drafting
+        forward. Anything else (a native MTP cache, sliding layers, a short block) is returned whole."""
+        cache, count = self.mtp_cache, unseen.shape[1]
+        if not isinstance(cache, SinkWindowCache) or not cache.can_skip():
+            return unseen
+        length = int(cache.get_seq_length())
+        into_sink = max(max(cache.num_sink_tokens, 1) - length, 0)  # skip() needs the sink and a stored token
+        skipped = count - into_sink - cache.window_length
+        if skipped <= 0:
+            return unseen
+        if into_sink:
+            first = input_ids.shape[1] - count  # the head's input i is (token first + i, hidden state i)
+            self.mtp_model.forward_layer(
+                0,
+                unseen[:, :into_sink].to(self.device),
+                model_kwargs["position_ids"][:, first : first + into_sink],
+                cache,
+                input_ids=input_ids[:, first : first + into_sink],
+                **kwargs,
+            )
+        cache.skip(skipped)
+        self.is_main_model_prefill = False  # the stock generator now feeds exactly the block it is given
+        return unseen[:, -cache.window_length :]
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         self.clock.finish(int(num_matches))
