@@ -4,7 +4,7 @@
 
 Bundled pair (`load_demo_models()`), 256 new tokens per run (exactly: `min_new_tokens = max_new_tokens`), every
 row of a (text, context, repeat) cell run back to back in a rotating order, the prompt the first `context` tokens
-of the text. Texts: English prose outside the training corpus (the licence texts Debian ships in
+of the text (`--passages N`: N prompts at offsets spread over the text, pooled in each cell). Texts: English prose outside the training corpus (the licence texts Debian ships in
 /usr/share/common-licenses, which no bundled model saw), and the bundled held-out play (King John). Rows:
 
 - `ar_stock`: `target.generate(ids)` on transformers' own `sdpa` and `DynamicCache`: the greedy reference;
@@ -15,7 +15,8 @@ of the text. Texts: English prose outside the training corpus (the licence texts
   timing; `gamma6+compile` is the hand-tuned setting: static cache, varlen drafter, compiled step, fast target);
 - `*@T0.7`, `*@T0.8`, `*@T1.0`: sampling (`do_sample=True, temperature=T`, transformers' default top-k 50) for
   `ar_fast` and the one-liner (with the bundled `sampling_drafter`), seeded alike;
-- `prefill1024`: the one-liner with `cache_config={"prefill_window": 1024}` (the drafter's windowed prefill, opt-in);
+- `full_prefill`: the one-liner with `cache_config={"prefill_window": None}` (the drafter prefills with full
+  attention; the default prefills it in 1024-token windowed chunks);
 - `mtp`, `mtp@T0.8`: the target's own MTP head, `target.generate(ids, use_mtp=True,
   cache_implementation="sink_window")` and nothing else (windowed MTP's defaults: adaptive draft length, fast
   target).
@@ -67,7 +68,7 @@ ROWS = {
     "oneliner@T1.0": ({}, None, 1.0),
     "ar_fast@T0.7": (None, "fast", 0.7),
     "oneliner@T0.7": ({}, None, 0.7),
-    "prefill1024": ({"prefill_window": 1024}, None, None),
+    "full_prefill": ({"prefill_window": None}, None, None),
     "mtp": ({}, "mtp", None),
     "mtp@T0.8": ({}, "mtp", 0.8),
 }
@@ -169,7 +170,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "# The one-liner against AR and hand-tuned settings",
         "",
         f"`{meta['command']}` — {meta['threads']} threads, run alone, {meta['new_tokens']} new tokens, "
-        f"{meta['repeats']} interleaved repeats, torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"{meta['repeats']} interleaved repeats, {meta.get('passages', 1)} passage(s) a cell, torch {meta['torch']}, transformers {meta['transformers']}, "
         f"{meta['date']}. Medians; decode/e2e = paired ratios over the same repeat's AR with a 95% bootstrap "
         "interval. `identical` = greedy output equal to `ar_stock` (the target as loaded) in every run.",
         "",
@@ -258,6 +259,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--texts", nargs="+", default=None, help="licences and/or king_john (default: both)")
+    parser.add_argument(
+        "--passages",
+        type=int,
+        default=1,
+        help="Passages a text and context, at offsets spread over the text (1: its start); cells pool them.",
+    )
     parser.add_argument("--out", default=str(RESULTS / "fast_default"))
     parser.add_argument(
         "--compile-cost",
@@ -278,17 +285,16 @@ def main() -> None:
     for repeat in range(args.repeats):
         for text, ids in prompts.items():
             for context in args.contexts:
-                if ids.shape[1] < context:
-                    continue
-                prompt = ids[:, :context]
-                order = args.rows[repeat % len(args.rows) :] + args.rows[: repeat % len(args.rows)]
-                results = {
-                    name: run_row(name, demo, drafters, prompt, args.new_tokens, repeat) for name in order
-                }
-                records += cell_records(results, text, context, repeat)
-                print(f"repeat {repeat} {text}@{context}: " + ", ".join(
-                    f"{r['row']} {r['decode_tokens_per_second']:.0f}" for r in records[-len(order):]
-                ), flush=True)  # fmt: skip
+                for offset in passage_offsets(ids.shape[1], context, args.new_tokens, args.passages):
+                    prompt = ids[:, offset : offset + context]
+                    order = args.rows[repeat % len(args.rows) :] + args.rows[: repeat % len(args.rows)]
+                    results = {
+                        name: run_row(name, demo, drafters, prompt, args.new_tokens, repeat) for name in order
+                    }
+                    records += cell_records(results, text, context, repeat, offset)
+                    print(f"repeat {repeat} {text}@{context}+{offset}: " + ", ".join(
+                        f"{r['row']} {r['decode_tokens_per_second']:.0f}" for r in records[-len(order):]
+                    ), flush=True)  # fmt: skip
     rows = summarise(records)
     compile_seconds = compile_cost(args.threads, 8192, args.new_tokens) if args.compile_cost else None
     meta = {
@@ -296,6 +302,7 @@ def main() -> None:
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "passages": args.passages,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "date": time.strftime("%Y-%m-%d"),
@@ -310,7 +317,18 @@ def main() -> None:
     print(markdown(rows, meta))
 
 
-def cell_records(results: dict, text: str, context: int, repeat: int) -> list[dict]:
+def passage_offsets(length: int, context: int, new_tokens: int, passages: int) -> list[int]:
+    """Start offsets of `passages` prompts of `context` tokens spread evenly over a text of `length` tokens (each
+    leaves `new_tokens` of the text after it); none if the text is too short, `[0]` for one passage."""
+    last = length - context - new_tokens
+    if last < 0:
+        return []
+    if passages == 1:
+        return [0]
+    return sorted({round(i * last / (passages - 1)) for i in range(passages)})
+
+
+def cell_records(results: dict, text: str, context: int, repeat: int, offset: int = 0) -> list[dict]:
     reference = results.get("ar_stock")
     records = []
     for name, result in results.items():
@@ -323,6 +341,7 @@ def cell_records(results: dict, text: str, context: int, repeat: int) -> list[di
         record = {
             "text": text,
             "context": context,
+            "offset": offset,
             "repeat": repeat,
             "row": name,
             "seconds": result.seconds,

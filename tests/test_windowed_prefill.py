@@ -11,6 +11,8 @@ from transformers import DynamicCache
 from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
 from hf_budgetdraft.attention.common import as_additive
 from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, windowed_prefill
+from hf_budgetdraft.generation import candidate_generator
+from hf_budgetdraft.generation.spec import DEFAULT_PREFILL_WINDOW
 from hf_budgetdraft.trainer.views import SparseViewSpec, run_shared_prefix, view_logits
 
 SINK, WINDOW, LENGTH = 4, 16, 70  # chunks [0, 16), [16, 32), ... the last one partial
@@ -109,11 +111,13 @@ def test_bad_prefill_windows():
         DraftSpec(prefill_window=0)
     with pytest.raises(ValueError, match=r"prefill_window must be an int in \[1"):
         DraftSpec(prefill_window=True)
+    with pytest.raises(ValueError, match=r"None or 'auto', got 'full'"):
+        DraftSpec(prefill_window="full")
     with pytest.raises(ValueError, match="scores the prefix with the prefill's queries"):
         DraftSpec(policy="snapkv", prefill_window=64)
     target, drafter = model_pair("llama", "sdpa")
     batch = random_prompt(40, seed=7).repeat(2, 1)
-    with pytest.raises(ValueError, match="prefill_window are single-sequence fast paths"):
+    with pytest.raises(ValueError, match="prefill_window is a single-sequence fast path"):
         target.generate(
             batch,
             attention_mask=torch.ones_like(batch),
@@ -125,3 +129,52 @@ def test_bad_prefill_windows():
     _, hybrid = model_pair("gemma2", "eager")
     with pytest.raises(ValueError, match="all full attention"):
         WindowedPrefillCache(hybrid.config, SINK, WINDOW, 40)
+
+
+def test_the_default_prefills_windowed_where_it_applies_and_says_so():
+    """`prefill_window="auto"` (the default): 1024-token chunks for one sequence, a full-attention drafter and a
+    policy that does not score with the prefill's queries; a full prefill otherwise, and `None` switches it off."""
+    _, drafter = model_pair("llama", "sdpa")
+    _, sliding = model_pair("gemma2", "eager")
+    assert DraftSpec().prefill_window == "auto" and "prefill_window" not in DraftSpec().to_cache_config()
+    assert (
+        DraftSpec().resolved_prefill_window(drafter.config, batched=False) == DEFAULT_PREFILL_WINDOW == 1024
+    )
+    assert DraftSpec(cache="sink_window").resolved_prefill_window(drafter.config, batched=False) == 1024
+    assert DraftSpec().resolved_prefill_window(drafter.config, batched=True) is None
+    assert DraftSpec().resolved_prefill_window(sliding.config, batched=False) is None
+    snapkv = DraftSpec(policy="snapkv", policy_kwargs={"window_size": 4})
+    assert snapkv.resolved_prefill_window(drafter.config, batched=False) is None
+    assert DraftSpec(prefill_window=None).resolved_prefill_window(drafter.config, batched=False) is None
+    assert DraftSpec(prefill_window=64).resolved_prefill_window(drafter.config, batched=False) == 64
+
+
+@pytest.mark.parametrize("cache_config", [{}, {"prefill_window": None}])
+def test_the_one_liner_reports_the_prefill_window_it_ran(cache_config, monkeypatch):
+    """The plan shows the resolved window; a prompt longer than it is prefilled in chunks (lossless), and `None`
+    runs the drafter's full prefill."""
+    monkeypatch.setattr("hf_budgetdraft.generation.spec.DEFAULT_PREFILL_WINDOW", WINDOW)
+    target, drafter = model_pair("llama", "sdpa")
+    ids = random_prompt(120, seed=8)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=12)
+    chunks = []
+    monkeypatch.setattr(
+        candidate_generator,
+        "windowed_prefill",
+        lambda model, prompt, sink, window: (
+            chunks.append(window) or windowed_prefill(model, prompt, sink, window)
+        ),
+    )
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=12,
+            cache_implementation="budgeted",
+            cache_config={"budget": 24, **cache_config},
+        )
+    assert torch.equal(out, expected)
+    windowed = "prefill_window" not in cache_config
+    assert stats.plan.spec.prefill_window == (WINDOW if windowed else None)
+    assert chunks == ([WINDOW] if windowed else [])

@@ -11,6 +11,8 @@ What the defaults turn on, and when:
   static draft steps of that drafter, and reuses a step compiled earlier in the process at once;
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
   KV copies; logits agree to float rounding);
+- **windowed draft prefill** (`prefill_window`, 1024) for a single sequence and a full-attention drafter whose
+  policy does not score the prefix with the prefill's queries;
 - **draft length**: explicit settings first (`cache_config["draft_length"]`, then `num_assistant_tokens` /
   its schedule / `assistant_confidence_threshold` passed to `generate()` when they differ from transformers'
   defaults, then the drafter's own `generation_config`), else `"adaptive"`.
@@ -185,11 +187,12 @@ def resolve_plan(
 ) -> DraftPlan:
     """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
     several rows, whose draft caches are the ragged ones: never static, never compiled)."""
+    spec = spec.replace(prefill_window=spec.resolved_prefill_window(drafter.config, batched))
     if batched:
-        if spec.static is True or spec.compile is True or spec.prefill_window is not None:
+        if spec.static is True or spec.compile is True:
             raise ValueError(
-                "static=True / compile=True / prefill_window are single-sequence fast paths; a batch drafts on ragged "
-                "per-row caches. Drop them from cache_config for batched calls"
+                "static=True / compile=True are single-sequence fast paths; a batch drafts on ragged per-row caches. "
+                "Drop them from cache_config for batched calls"
             )
         spec = spec.replace(static=False, compile=False)
     can_be_static = supports_static_cache(drafter)

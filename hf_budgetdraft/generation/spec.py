@@ -10,9 +10,7 @@ length chosen online from the call's own costs and acceptance. Every automatic c
     cache_config={"compile": False}       # never torch.compile the one-token draft step ("auto": when it pays)
     cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
     cache_config={"fast_verify": False}   # the target keeps the attention it was loaded with
-
-and one opt-in: `cache_config={"prefill_window": 1024}` prefills the drafter in chunks that read a sink and a
-window (O(L·W) instead of O(L²); for drafters trained that way, see `DraftSpec`).
+    cache_config={"prefill_window": None} # the drafter prefills with full attention ("auto": 1024-token chunks)
 
 The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
 """
@@ -49,6 +47,7 @@ _DEFAULT_WINDOW = {
 _RUN_OPTIONS = ("compile", "draft_length", "max_draft_length", "fast_verify", "prefill_window")
 MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
 MAX_PREFILL_WINDOW = 1 << 20
+DEFAULT_PREFILL_WINDOW = 1024
 
 
 def _check_switch(name: str, value) -> None:
@@ -81,12 +80,14 @@ class DraftSpec:
             default `min(16, slack)`).
         fast_verify (`bool`, defaults to `True`): a target loaded with `sdpa` verifies on `budgetdraft_sdpa` for
             the call (same results, no KV copies; restored after).
-        prefill_window (`int`, *optional*): the drafter prefills a prompt longer than this in chunks of this many
-            tokens, each reading the `num_sink_tokens` sink and the `prefill_window` tokens before it
+        prefill_window (`int`, `None` or `"auto"`): the drafter prefills a prompt longer than this in chunks of
+            this many tokens, each reading the `num_sink_tokens` sink and the `prefill_window` tokens before it
             (`cache/windowed_prefill.py`): O(L·W) instead of O(L²). Its keys beyond the first layer then differ
-            from a full prefill's, so acceptance can change (never the output): for a drafter trained with the same
-            prefix (`BudgetDraftConfig.draft_prefill_window`). Off (`None`) by default; not with a query-scored
-            policy, nor in batched calls.
+            from a full prefill's, so acceptance can change (never the output); a drafter can be trained on the
+            same prefix (`BudgetDraftConfig.draft_prefill_window`). `"auto"` (default): `DEFAULT_PREFILL_WINDOW`
+            for a single sequence, a drafter made of full-attention layers and a policy that does not score the
+            prefix with the prefill's queries; otherwise `None` (a full prefill). An explicit int is refused with a
+            query-scored policy and in batched calls.
     """
 
     cache: str = "budgeted"
@@ -101,7 +102,7 @@ class DraftSpec:
     draft_length: int | str = "adaptive"
     max_draft_length: int | None = None
     fast_verify: bool = True
-    prefill_window: int | None = None
+    prefill_window: int | str | None = AUTO
 
     def __post_init__(self):
         if self.cache not in DRAFT_CACHES:
@@ -135,13 +136,13 @@ class DraftSpec:
 
     def _check_prefill_window(self) -> None:
         window = self.prefill_window
-        if window is None:
+        if window is None or window == AUTO:
             return
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_PREFILL_WINDOW:
             raise ValueError(
-                f"prefill_window must be an int in [1, {MAX_PREFILL_WINDOW}] or None, got {window!r}"
+                f"prefill_window must be an int in [1, {MAX_PREFILL_WINDOW}], None or 'auto', got {window!r}"
             )
-        if self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).needs_queries:
+        if self.query_scored:
             raise ValueError(
                 f"prefill_window cannot serve policy={self.policy!r}, which scores the prefix with the prefill's "
                 "queries; use policy='chunk' (query_proxy='last_key') or 'streaming', or drop prefill_window"
@@ -201,6 +202,27 @@ class DraftSpec:
 
     def replace(self, **changes) -> DraftSpec:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def query_scored(self) -> bool:
+        """Whether the budgeted policy scores the prefix with the prefill's queries (snapkv, chunk on queries)."""
+        return (
+            self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).needs_queries
+        )
+
+    def resolved_prefill_window(self, drafter_config, batched: bool) -> int | None:
+        """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (`batched`: a call of
+        several rows, which prefills each row in full)."""
+        if self.prefill_window != AUTO:
+            if batched and self.prefill_window is not None:
+                raise ValueError(
+                    "prefill_window is a single-sequence fast path; a batch prefills each row's draft cache in full. "
+                    "Drop it from cache_config for batched calls"
+                )
+            return self.prefill_window
+        layer_types, _ = get_layer_types_and_kwargs(drafter_config.get_text_config(decoder=True))
+        all_full = set(layer_types) == {"full_attention"}
+        return DEFAULT_PREFILL_WINDOW if all_full and not batched and not self.query_scored else None
 
     @property
     def draft_tokens(self) -> int:

@@ -91,7 +91,8 @@ class BudgetDraftConfig(TrainingArguments):
         metadata={
             "help": "Run the prefix as a drafter deployed with cache_config={'prefill_window': W} prefills: in "
             "chunks of W tokens, each reading the num_sink_tokens sink and the W tokens before it (O(L·W)). None: "
-            "full attention over the prefix."
+            "full attention over the prefix (the drafter is then deployed with the inference default, "
+            "prefill_window='auto')."
         },
     )
     prefix_length: int = field(
@@ -294,7 +295,8 @@ class BudgetDraftConfig(TrainingArguments):
             kwargs = dict(self.policy_kwargs) if self.policy_kwargs else None
             sizes = {"budget": budget, "policy": self.policy, "window_length": self.window_length}
             sizes["policy_kwargs"] = kwargs
-        return DraftSpec(cache=self.cache_kind, prefill_window=self.draft_prefill_window, **sizes)
+        window = {} if self.draft_prefill_window is None else {"prefill_window": self.draft_prefill_window}
+        return DraftSpec(cache=self.cache_kind, **window, **sizes)
 
     def cache_config(self, budget: int) -> dict:
         """The cache sizes of `generate(cache_implementation=self.cache_kind, cache_config=...)` that deploy what a
