@@ -457,3 +457,7 @@ def test_skip_errors_teach(layer_class):
         layer.crop(-1)  # back before the skipped positions
     with pytest.raises(ValueError, match="count of positions"):
         layer.skip(-1)
+    layer.reset()  # a reset cache starts over: crops are bounded by its own contents again
+    layer.update(*_kv(9, torch.Generator().manual_seed(2)))
+    layer.crop(-3)
+    assert int(layer.get_seq_length()) == 6

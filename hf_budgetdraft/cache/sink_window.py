@@ -22,6 +22,7 @@ class SinkWindowLayer(SparseDraftLayer):
     def __init__(self, num_sink_tokens: int, window_length: int, slack: int):
         super().__init__(window_length=window_length, slack=slack, static_capacity=num_sink_tokens)
         self.num_sink_tokens = num_sink_tokens
+        self.skipped_to = 0  # no crop goes back before this position (positions before it were skipped)
 
     def _ring_start(self) -> int:
         return self.num_sink_tokens
@@ -57,8 +58,12 @@ class SinkWindowLayer(SparseDraftLayer):
         self.skipped_to = self.cumulative_length
 
     def crop(self, tokens_to_remove: int) -> None:
-        check_crop_after_skip(tokens_to_remove, self.cumulative_length, getattr(self, "skipped_to", 0))
+        check_crop_after_skip(tokens_to_remove, self.cumulative_length, self.skipped_to)
         super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.skipped_to = 0
 
 
 class SinkWindowCache(SparseDraftCache):

@@ -348,6 +348,7 @@ class StaticSinkWindowLayer(StaticDraftLayer):
     def __init__(self, num_sink_tokens: int, window_length: int, slack: int):
         super().__init__(static_capacity=num_sink_tokens, window_length=window_length, slack=slack)
         self.num_sink_tokens = num_sink_tokens
+        self.skipped_to = 0  # no crop goes back before this position (positions before it were skipped)
 
     def _initial_ring_start(self) -> int:
         return self.num_sink_tokens
@@ -372,8 +373,12 @@ class StaticSinkWindowLayer(StaticDraftLayer):
 
     def crop(self, tokens_to_remove) -> None:
         length = int(self.length) if self.is_initialized else 0
-        check_crop_after_skip(tokens_to_remove, length, getattr(self, "skipped_to", 0))
+        check_crop_after_skip(tokens_to_remove, length, self.skipped_to)
         super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.skipped_to = 0
 
 
 class StaticBudgetedLayer(PrefixSelection, StaticDraftLayer):
