@@ -4,8 +4,9 @@
 
 Bundled pair (`load_demo_models()`), 256 new tokens per run (exactly: `min_new_tokens = max_new_tokens`), every
 row of a (text, context, repeat) cell run back to back in a rotating order, the prompt the first `context` tokens
-of the text (`--passages N`: N prompts at offsets spread over the text, pooled in each cell). Texts: English prose outside the training corpus (the licence texts Debian ships in
-/usr/share/common-licenses, which no bundled model saw), and the bundled held-out play (King John). Rows:
+of the text (`--passages N`: N prompts at offsets spread over the text, pooled in each cell). Texts: English prose
+outside the training corpus (the licence texts Debian ships in /usr/share/common-licenses, which no bundled model
+saw), and the bundled held-out play (King John). Rows:
 
 - `ar_stock`: `target.generate(ids)` on transformers' own `sdpa` and `DynamicCache`: the greedy reference;
 - `ar_fast`: the target on `budgetdraft_sdpa` with a `GrowableCache` (the fastest plain AR here);
@@ -170,8 +171,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "# The one-liner against AR and hand-tuned settings",
         "",
         f"`{meta['command']}` — {meta['threads']} threads, run alone, {meta['new_tokens']} new tokens, "
-        f"{meta['repeats']} interleaved repeats, {meta.get('passages', 1)} passage(s) a cell, torch {meta['torch']}, transformers {meta['transformers']}, "
-        f"{meta['date']}. Medians; decode/e2e = paired ratios over the same repeat's AR with a 95% bootstrap "
+        f"{meta['repeats']} interleaved repeats, {meta.get('passages', 1)} passage(s) a cell, torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, {meta['date']}. Medians; decode/e2e = paired ratios over the same repeat's AR with a 95% bootstrap "
         "interval. `identical` = greedy output equal to `ar_stock` (the target as loaded) in every run.",
         "",
         *(

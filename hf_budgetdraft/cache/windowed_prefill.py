@@ -70,6 +70,12 @@ class WindowedPrefillLayer(CacheLayerMixin):
         return -1
 
 
+def layers_besides_full_attention(config: PreTrainedConfig) -> list[str]:
+    """The layer types of a model of `config` other than full attention (a windowed prefill needs none)."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return sorted(set(layer_types) - {"full_attention"})
+
+
 class WindowedPrefillCache(Cache):
     """`WindowedPrefillLayer`s for every layer of a drafter of `config`, which must be full attention only.
 
@@ -84,7 +90,7 @@ class WindowedPrefillCache(Cache):
         self, config: PreTrainedConfig, num_sink_tokens: int, window_length: int, prompt_length: int
     ):
         layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        others = sorted(set(layer_types) - {"full_attention"})
+        others = layers_besides_full_attention(config)
         if others:
             raise ValueError(
                 f"a windowed draft prefill runs drafters whose layers are all full attention; {config.model_type!r} "

@@ -27,6 +27,7 @@ from transformers.utils import logging
 from ..cache import BudgetedCache, SinkWindowCache, get_policy
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from ..cache.windowed_prefill import layers_besides_full_attention
 
 logger = logging.get_logger(__name__)
 CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
@@ -220,9 +221,8 @@ class DraftSpec:
                     "Drop it from cache_config for batched calls"
                 )
             return self.prefill_window
-        layer_types, _ = get_layer_types_and_kwargs(drafter_config.get_text_config(decoder=True))
-        all_full = set(layer_types) == {"full_attention"}
-        return DEFAULT_PREFILL_WINDOW if all_full and not batched and not self.query_scored else None
+        applies = not batched and not self.query_scored and not layers_besides_full_attention(drafter_config)
+        return DEFAULT_PREFILL_WINDOW if applies else None
 
     @property
     def draft_tokens(self) -> int:
