@@ -46,9 +46,9 @@ PARTS = {
         1,
         None,
     ),
-    "sampling": ({8192: [4]}, ("ar", "speculative"), 128, 2, {"temperature": 0.8}),
+    "sampling": ({8192: [4]}, ("ar", "loop_ar", "speculative"), 128, 2, {"temperature": 0.8}),
     # with --text king_john: the goal cells at 8K on text the drafter fits, to separate acceptance from loop cost
-    "fit": ({8192: [4, 8]}, ("ar", "speculative"), 128, 2, None),
+    "fit": ({8192: [4, 8]}, ("ar", "loop_ar", "speculative"), 128, 2, None),
     "fit16": ({16384: [4]}, BATCH_METHODS, 128, 2, None),
 }
 

@@ -13,8 +13,11 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer
 
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, record_speculation
+from hf_budgetdraft.attention import fast_sdpa
+from hf_budgetdraft.attention.ragged_rows import row_by_row_attention
 from hf_budgetdraft.cache.ragged import RaggedCache
 from hf_budgetdraft.cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from hf_budgetdraft.generation import batched as batched_module
 from hf_budgetdraft.generation.batched import MAX_BATCH_SIZE, left_padding
 
 CACHES = {
@@ -231,6 +234,112 @@ def test_batched_sampling_keeps_each_rows_distribution():
             for position, probs in enumerate((first, second)):
                 stat, df = chi_square(counts[p, position], probs)
                 assert stat < chi_square_quantile(max(df, 1)), (p, position, stat, df)
+
+
+class ScriptedRowLengths:
+    """A per-row draft-length policy for tests: row r drafts `pattern[(r + k) % len(pattern)]` in round k, so every
+    round mixes rows that draft long, short and not at all."""
+
+    name = "scripted"
+
+    def __init__(self, pattern=(0, 3, 1, 2)):
+        self.pattern, self.round = pattern, 0
+
+    def next_lengths(self, rows):
+        return torch.tensor([self.pattern[(int(r) + self.round) % len(self.pattern)] for r in rows])
+
+    def update(self, rows, drafted, accepted, draft_seconds, verify_seconds):
+        self.round += 1
+
+
+@pytest.fixture
+def scripted_lengths(monkeypatch):
+    monkeypatch.setattr(batched_module, "row_draft_length", lambda plan, rows: ScriptedRowLengths())
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "mistral"])
+def test_rows_drafting_different_lengths_in_one_round_stay_lossless(family, cache, scripted_lengths):
+    implementation = "sdpa" if supports(family, "sdpa") else "eager"
+    target, drafter = model_pair(family, implementation)
+    ids, mask, _ = padded_batch([110, 50, 120, 80, 65], seed=7)
+    with record_speculation() as stats:
+        out = greedy(
+            target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache]
+        )
+    assert torch.equal(out, greedy(target, ids, mask))
+    first = [row.proposed_per_round[1] for row in stats.rows]
+    assert sorted(set(first)) == [0, 1, 2, 3]  # one round held every length
+
+
+def test_the_target_attends_row_by_row_on_cpu(monkeypatch):
+    calls = []
+    original = fast_sdpa.row_by_row_attention
+
+    def spy(query, key, value, scaling, spans, attend):
+        calls.append(spans)
+        return original(query, key, value, scaling, spans, attend)
+
+    monkeypatch.setattr(fast_sdpa, "row_by_row_attention", spy)
+    target, drafter = model_pair("llama", "sdpa")
+    ids, mask, _ = padded_batch([120, 70, 95])
+    out = greedy(target, ids, mask, assistant_model=drafter, cache_implementation="budgeted")
+    assert torch.equal(out, greedy(target, ids, mask))
+    assert calls and any(
+        len({start for start, _ in spans}) > 1 for spans in calls
+    )  # each row at its own length
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    spans=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 5)), min_size=1, max_size=4),
+    width=st.integers(1, 5),
+    groups=st.sampled_from([1, 2, 3]),
+)
+def test_row_by_row_attention_equals_masked_attention(spans, width, groups):
+    spans = [(start, min(count, width)) for start, count in spans]
+    batch, kv_heads, dim = len(spans), 2, 8
+    keys = max(start for start, _ in spans) + width
+    gen = torch.Generator().manual_seed(len(spans) * 7 + width)
+    query = torch.randn(batch, kv_heads * groups, width, dim, generator=gen)
+    key, value = (torch.randn(batch, kv_heads, keys, dim, generator=gen) for _ in range(2))
+    out = row_by_row_attention(query, key, value, None, spans, fast_sdpa._causal_unmasked)
+    for row, (start, count) in enumerate(spans):
+        positions = start + torch.arange(width)
+        allowed = torch.arange(keys)[None] <= positions[:, None]  # (q, K): causal at the row's own positions
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[row : row + 1], key[row : row + 1], value[row : row + 1], attn_mask=allowed, enable_gqa=True
+        )
+        torch.testing.assert_close(out[row, :, :count], expected[0, :, :count], atol=1e-5, rtol=1e-5)
+        assert not out[row, :, count:].any()  # queries a row does not need are left at zero
+
+
+def test_batched_sampling_keeps_each_rows_distribution_with_per_row_lengths(scripted_lengths):
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    prompt = random_prompt(48, seed=11)[0]
+    copies, calls = 200, 3  # 600 samples; each copy drafts its own length every round
+    ids = prompt[None].repeat(copies, 1)
+    torch.manual_seed(1)
+    counts = torch.zeros(128)
+    for _ in range(calls):
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=2,
+            pad_token_id=0,
+            assistant_model=drafter,
+            cache_implementation="budgeted",
+            cache_config={"budget": 16},
+        )
+        counts += torch.bincount(out[:, -1], minlength=128).float()  # drawn in the first round: mixed lengths
+    with torch.no_grad():
+        first = warped(target(prompt[None]).logits[0, -1:])[0]
+        continued = torch.cat([prompt[None].expand(128, -1), torch.arange(128)[:, None]], dim=1)
+        second = warped(target(continued).logits[:, -1])  # (128 first tokens, 128)
+    stat, df = chi_square(counts, (first[:, None] * second).sum(0))  # the second token's marginal
+    assert stat < chi_square_quantile(max(df, 1)), (stat, df)
 
 
 class _BatchStreamer(BaseStreamer):

@@ -465,7 +465,8 @@ def test_round_budget_rows_use_stock_ar_and_the_round_phases():
 
 
 def test_bench_batch_sizes_grid(tmp_path, capsys):
-    """`bench --batch_sizes`: batched AR, the batched one-liner and the full-cache draft per batch size; greedy rows
+    """`bench --batch_sizes`: batched AR, the loop without drafts, the batched one-liner and the full-cache draft per
+    batch size; greedy rows
     identical to batched AR, per-row latency and both caches' bytes recorded."""
     code = main(
         ["bench", "--preset", "smoke", "--batch_sizes", "1", "3", "--contexts", "96", "--new_tokens", "6",
@@ -475,13 +476,16 @@ def test_bench_batch_sizes_grid(tmp_path, capsys):
     result = json.loads((tmp_path / "batched.json").read_text())
     records = result["records"]
     assert {(r["batch_size"], r["method"]) for r in records} == {
-        (b, m) for b in (1, 3) for m in ("ar", "speculative", "full_draft")
+        (b, m) for b in (1, 3) for m in ("ar", "loop_ar", "speculative", "full_draft")
     }
     for r in records:
         assert r["decode_tokens_per_second"] > 0 and r["row_latency_seconds"] > 0
         if r["method"] != "ar":
             assert r["rows_identical"] == r["batch_size"]
-            assert r["draft_cache_bytes"] > 0 and r["target_cache_bytes"] > 0
+            assert r["target_cache_bytes"] > 0
+            assert r["draft_cache_bytes"] > 0 or r["method"] == "loop_ar"
+    loop_ar = next(r for r in records if r["batch_size"] == 3 and r["method"] == "loop_ar")
+    assert loop_ar["ar_row_share"] == 1.0  # draft_length=0: every row takes a plain AR step every round
     sparse = next(r for r in records if r["batch_size"] == 3 and r["method"] == "speculative")
     full = next(r for r in records if r["batch_size"] == 3 and r["method"] == "full_draft")
     assert sparse["draft_cache_bytes"] != full["draft_cache_bytes"]

@@ -38,6 +38,7 @@ from .common import (
     needs_eager,
     out_layout,
 )
+from .ragged_rows import active_row_spans, row_by_row_attention
 
 NAME = "budgetdraft_sdpa"
 
@@ -190,6 +191,9 @@ def budgetdraft_sdpa_attention_forward(
             f"budgetdraft_sdpa needs the query heads to be a multiple of the key/value heads, got "
             f"{num_heads} query heads and {num_kv_heads} key/value heads; check the model config"
         )
+    spans = active_row_spans(module, query, key) if is_causal else None
+    if spans is not None:  # a ragged batch on CPU: each row over its own keys, the mask is not needed
+        return out_layout(row_by_row_attention(query, key, value, scaling, spans, _causal_unmasked)), None
     if attention_mask is not None:
         return _masked_attention(module, query, key, value, attention_mask, scaling, is_causal, **kwargs)
     return out_layout(_unmasked_attention(query, key, value, scaling, is_causal)), None
@@ -265,6 +269,10 @@ def _unmasked_attention(query, key, value, scaling, is_causal: bool) -> torch.Te
         return _split_past_and_block(query, key, value, scaling)
     mask = lower_right_causal_mask(q_length, kv_length, query.device)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def _causal_unmasked(query, key, value, scaling) -> torch.Tensor:
+    return _unmasked_attention(query, key, value, scaling, is_causal=True)
 
 
 def register() -> None:

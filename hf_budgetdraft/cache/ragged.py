@@ -112,10 +112,17 @@ class RaggedFullLayer(RaggedLayer):
 
 class RaggedStep:
     """What one forward writes: a row's prefill (`row`, `end` = its prompt length), or a step of every row at
-    positions `(B, q)` (`end` = the keys the full layers return; `slots` `(B, q)` for slot layers)."""
+    positions `(B, q)` (`end` = the keys the full layers return; `slots` `(B, q)` for slot layers; `spans`: each
+    row's `(L_b, n_b)`, its first position and the queries it needs, `n_b <= q`)."""
 
-    def __init__(self, end: int, row: int | None = None, positions: torch.Tensor | None = None):
-        self.end, self.row, self.positions = end, row, positions
+    def __init__(
+        self,
+        end: int,
+        row: int | None = None,
+        positions: torch.Tensor | None = None,
+        spans: list[tuple[int, int]] | None = None,
+    ):
+        self.end, self.row, self.positions, self.spans = end, row, positions, spans
         self.slots: torch.Tensor | None = None
 
 
@@ -183,19 +190,34 @@ class RaggedCache(Cache):
         self._before_forward(self.step)
         self.lengths[row] = length
 
-    def step_mask(self, query_length: int, dtype: torch.dtype) -> torch.Tensor | dict:
+    def step_mask(
+        self, query_length: int, dtype: torch.dtype, needed: torch.Tensor | None = None
+    ) -> torch.Tensor | dict:
         """Mask of a forward of `query_length` new tokens per row, at each row's own positions; the forward's
-        writes go to positions `[L_b, L_b + q)`."""
+        writes go to positions `[L_b, L_b + q)`. `needed` `(B,)`: the queries each row needs (all `q` if `None`);
+        the row-by-row attention (`ragged_rows`) computes only those, the rest are filler the caller crops."""
         offsets = torch.arange(query_length, device=self.lengths.device)
         positions = self.lengths[:, None] + offsets  # (B, q)
         end = self.max_length + query_length
-        self.step = RaggedStep(end, positions=positions)
+        counts = (
+            [query_length] * len(self.lengths) if needed is None else needed.clamp(max=query_length).tolist()
+        )
+        spans = list(zip(self.lengths.tolist(), counts, strict=True))
+        self.step = RaggedStep(end, positions=positions, spans=spans)
         self._before_forward(self.step)
         self.lengths = self.lengths + query_length
         return self._by_layer_type(positions, dtype)
 
     def _before_forward(self, step: RaggedStep) -> None:
         """Hook for slot layouts (the sparse draft caches)."""
+
+    def row_spans(self, layer_idx: int) -> list[tuple[int, int]] | None:
+        """`[(L_b, n_b)] * B` when layer `layer_idx` may attend row by row this forward: a batched step, and a
+        full-attention layer whose keys are position-indexed (`RaggedFullLayer` without a window). `None`: use
+        the mask."""
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        plain = type(layer) is RaggedFullLayer and layer.sliding_window is None
+        return self.step.spans if plain and self.step is not None and self.step.row is None else None
 
     def _by_layer_type(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict:
         """One `(B, 1, q, K)` additive mask per layer type (a dict when the model has several)."""

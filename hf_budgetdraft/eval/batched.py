@@ -29,7 +29,7 @@ from ..generation.fast_path import using_attention
 from ..generation.stats import SpeculationStats, record_speculation
 from ..timing import ChunkTimer as _TimingStreamer
 
-BATCH_METHODS = ("ar", "speculative", "full_draft")
+BATCH_METHODS = ("ar", "loop_ar", "speculative", "full_draft")
 
 
 @dataclass
@@ -139,10 +139,18 @@ def run_batch_speculative(
 
 
 def run_batch(method: str, target, drafter, ids, mask, new_tokens: int, **options) -> BatchRun:
+    """`ar`: stock batched AR; `loop_ar`: the speculative loop with `draft_length=0` (the target alone on its ragged
+    cache: what the loop is worth without drafting); `speculative`; `full_draft`."""
     if method == "ar":
         return run_batch_ar(target, ids, mask, new_tokens, options.get("sampling"))
     if method not in BATCH_METHODS:
         raise ValueError(f"method must be one of {BATCH_METHODS}, got {method!r}")
+    if method == "loop_ar":
+        run = run_batch_speculative(
+            target, drafter, ids, mask, new_tokens, cache_config={"draft_length": 0}, **options
+        )
+        run.method = "loop_ar"
+        return run
     return run_batch_speculative(
         target, drafter, ids, mask, new_tokens, full_draft=method == "full_draft", **options
     )
@@ -191,6 +199,7 @@ def record(run: BatchRun, reference: BatchRun | None, compare_tokens: bool = Tru
             mean_accepted_length=run.stats.mean_accepted_length,
             rounds=run.stats.rounds,
             ar_rounds=run.stats.ar_rounds,
+            ar_row_share=ar_row_share(run.stats),
         )
     if reference is not None and run is not reference:
         ref, got = reference.decode_tokens_per_second, run.decode_tokens_per_second
@@ -200,6 +209,13 @@ def record(run: BatchRun, reference: BatchRun | None, compare_tokens: bool = Tru
             bool(torch.equal(run.new_ids(i), reference.new_ids(i))) for i in range(run.batch_size)
         )
     return out
+
+
+def ar_row_share(stats) -> float | None:
+    """Of every row's decode rounds, the share in which that row drafted nothing (a plain AR step)."""
+    rounds = sum(len(row.proposed_per_round) - 1 for row in stats.rows)  # less each row's prefill round
+    steps = sum(row.ar_rounds - 1 for row in stats.rows)
+    return steps / rounds if rounds > 0 else None
 
 
 def batched_grid(
@@ -269,6 +285,7 @@ def summarise_grid(records: list[dict], draws: int = 2000) -> list[dict]:
             "prefill_seconds",
             "mean_accepted_length",
             "ar_rounds",
+            "ar_row_share",
             "target_cache_bytes",
             "draft_cache_bytes",
         ):
@@ -295,14 +312,15 @@ def grid_markdown(rows: list[dict], title: str) -> str:
         f"# {title}",
         "",
         "| context | batch | method | decode tok/s (all rows) | vs batched AR | vs full-cache draft | row latency s | "
-        "tokens a round | AR rounds | target KV MB | draft KV MB | rows identical to AR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens a round | AR rounds | rows' AR steps % | target KV MB | draft KV MB | rows identical to AR |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['context']} | {r['batch_size']} | {r['method']} | {num(r['decode_tokens_per_second'])} | "
             f"{ci(r['decode_vs_ar'])} | {ci(r['decode_vs_full_draft'])} | {num(r['row_latency_seconds'], 2)} | "
             f"{num(r['mean_accepted_length'], 2)} | {num(r['ar_rounds'], 0)} | "
+            f"{num(100 * r['ar_row_share'] if r.get('ar_row_share') is not None else None, 0)} | "
             f"{num((r['target_cache_bytes'] or 0) / 2**20)} | {num((r['draft_cache_bytes'] or 0) / 2**20, 2)} | "
             f"{r['rows_identical']} |"
         )

@@ -11,8 +11,11 @@ one row lands here (transformers' assisted generation is single-sequence). A rou
    stopping criteria end rows; both caches roll each row back by what it rejected (`crop_rows`);
 4. finished rows leave the batch (their cache rows are dropped), so they cost nothing after.
 
-γ comes from the call's `DraftLength` policy, fed every row's acceptance (γ = 0: a batched AR step). Rows are
-prefilled one at a time without their padding, so a row's outputs are computed from exactly its own tokens.
+Each row drafts its own γ_b (γ_b = 0: a plain AR step for that row in the same forward): the adaptive policy
+(`RowDraftLength`) picks it from the row's own acceptance and the batch's measured costs; an explicit length
+(fixed, heuristic) is shared by every row. The batch drafts max_b γ_b steps, and the target's row-by-row
+attention (`ragged_rows`) verifies only the `1 + γ_b` tokens each row needs. Rows are prefilled one at a time
+without their padding, so a row's outputs are computed from exactly its own tokens.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..attention.query_capture import query_capture
+from ..attention.ragged_rows import ragged_rows
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache
 from .acceptance import greedy_accept, speculative_accept
 from .candidate_generator import make_draft_length
-from .draft_length import DraftLength, FixedDraftLength
+from .draft_length import FixedDraftLength
 from .fast_path import DraftPlan
+from .row_draft_length import RowDraftLength, SharedDraftLength
 from .stats import active_recorder
 
 MAX_BATCH_SIZE = 256
@@ -132,13 +137,17 @@ class BatchedSpeculation:
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits)
 
-    def _step(self, model, cache: RaggedCache, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed `(B, q)` tokens at each row's own next positions; `(B, q, V)` float logits."""
+    def _step(
+        self, model, cache: RaggedCache, tokens: torch.Tensor, needed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Feed `(B, q)` tokens at each row's own next positions; `(B, q, V)` float logits. `needed` `(B,)`: the
+        positions each row needs (the rest are filler: garbage logits, cropped by the caller)."""
         positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        mask = cache.step_mask(tokens.shape[1], model.dtype)
-        out = model(
-            input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-        )
+        mask = cache.step_mask(tokens.shape[1], model.dtype, needed)
+        with ragged_rows(cache):
+            out = model(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            )
         return out.logits.float()
 
     def _row_ids(self, index: int, extra: torch.Tensor) -> torch.Tensor:
@@ -223,18 +232,20 @@ class BatchedSpeculation:
         index = self.prompt_lengths[self.rows] + self.generated[self.rows] - 1
         return self.tokens[self.rows, index]
 
-    def _verify(self, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft and verify one round: `(kept (B,), new tokens (B, γ + 1))`; row b's new tokens are
-        `new[b, : kept[b] + 1]`."""
-        batch = self.rows.shape[0]
+    def _verify(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft `lengths[b]` tokens for row b and verify them in one forward: `(kept (B,), new tokens (B, G + 1))`,
+        G = max length; row b's new tokens are `new[b, : kept[b] + 1]`."""
+        batch, gamma = self.rows.shape[0], int(lengths.max())
+        lengths = lengths.to(self.tokens.device)
         if gamma:
             drafts, draft_logits, limits = self._draft(gamma)
+            limits = torch.minimum(limits, lengths)
         else:
             drafts = self.tokens.new_zeros(batch, 0)
             draft_logits, limits = None, torch.zeros(batch, dtype=torch.long, device=self.tokens.device)
         self._round_draft_end = time.perf_counter()
         fed = torch.cat([self._last_tokens()[:, None], drafts], 1)
-        logits = self._process(self._step(self.target, self.target_cache, fed), drafts)
+        logits = self._process(self._step(self.target, self.target_cache, fed, needed=limits + 1), drafts)
         if self.sample and gamma:
             kept, bonus = speculative_accept(drafts, draft_logits, logits, limits)
         elif self.sample:
@@ -286,7 +297,7 @@ class BatchedSpeculation:
 
     # -- the call ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, input_ids, attention_mask, draft_length: DraftLength, stats=None) -> torch.LongTensor:
+    def run(self, input_ids, attention_mask, draft_length, stats=None) -> torch.LongTensor:
         """Generate for every row; `(B, P + n)` sequences, rows that stopped early padded with `pad_token_id`."""
         self._setup(input_ids, attention_mask)
         self.draft_length = draft_length
@@ -310,16 +321,16 @@ class BatchedSpeculation:
             stats.finish_rows(self.rows[finished].tolist())
         self._drop(finished)
         while self.rows.numel():
-            gamma = draft_length.next_length()
+            rows = self.rows
+            lengths = draft_length.next_lengths(rows)  # (B,) per active row
             begin = time.perf_counter()
-            kept, new = self._verify(gamma)
-            rows = self.rows.tolist()
+            kept, new = self._verify(lengths)
             finished = self._emit(kept, new)
             end = time.perf_counter()
             draft, verify = self._round_draft_end - begin, end - self._round_draft_end
-            draft_length.update(gamma, kept.tolist() if gamma else [0] * len(rows), draft, verify)
+            draft_length.update(rows, lengths, kept, draft, verify)
             if stats is not None:
-                stats.add_batch_round(rows, gamma, kept.tolist(), draft, verify)
+                stats.add_batch_round(rows.tolist(), lengths.tolist(), kept.tolist(), draft, verify)
                 stats.finish_rows(self.rows[finished].tolist())
             self._drop(finished)
         return self._sequences()
@@ -336,6 +347,13 @@ class BatchedSpeculation:
                 row, start : start + count
             ]
         return out
+
+
+def row_draft_length(plan: DraftPlan, rows: int) -> RowDraftLength | SharedDraftLength:
+    """The adaptive policy per row, or the plan's explicit length shared by every row."""
+    if plan.spec.draft_length == "adaptive":
+        return RowDraftLength(maximum=plan.spec.max_draft_length, rows=rows)
+    return SharedDraftLength(make_draft_length(plan))
 
 
 @contextlib.contextmanager
@@ -411,7 +429,10 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
         kwargs.get("stopping_criteria"),
     )
     sequences = speculation.run(
-        input_ids, kwargs.get("attention_mask"), make_draft_length(plan), stats=active_recorder()
+        input_ids,
+        kwargs.get("attention_mask"),
+        row_draft_length(plan, input_ids.shape[0]),
+        stats=active_recorder(),
     )
     return _output(sequences, generation_config)
 
@@ -424,5 +445,5 @@ def run_sparse_batch(model, spec, input_ids, generation_config, kwargs: dict):
     decoding = BatchedSpeculation(
         model, None, plan, generation_config, kwargs.get("logits_processor"), kwargs.get("stopping_criteria")
     )
-    sequences = decoding.run(input_ids, kwargs.get("attention_mask"), FixedDraftLength(0))
+    sequences = decoding.run(input_ids, kwargs.get("attention_mask"), SharedDraftLength(FixedDraftLength(0)))
     return _output(sequences, generation_config)

@@ -57,12 +57,12 @@ class SpeculationStats:
             row.add_round(0, 0, draft_prefill, target_prefill)
 
     def add_batch_round(
-        self, rows: list[int], drafted: int, accepted: list[int], draft: float, verify: float
+        self, rows: list[int], drafted: list[int], accepted: list[int], draft: float, verify: float
     ) -> None:
-        """A batch round over the input rows `rows`, each drafting `drafted` and keeping `accepted[i]`."""
-        self.add_round(drafted * len(rows), sum(accepted), draft, verify, rows=len(rows))
-        for row, kept in zip(rows, accepted, strict=True):
-            self._batch_rows[row].add_round(drafted, kept, draft, verify)
+        """A batch round over the input rows `rows`, row `rows[i]` drafting `drafted[i]` and keeping `accepted[i]`."""
+        self.add_round(sum(drafted), sum(accepted), draft, verify, rows=len(rows))
+        for row, length, kept in zip(rows, drafted, accepted, strict=True):
+            self._batch_rows[row].add_round(length, kept, draft, verify)
 
     def finish_rows(self, rows: list[int]) -> None:
         """The input rows `rows` emitted their last token now."""

@@ -1,0 +1,201 @@
+"""A draft length per row of a batched speculative round: rows whose drafts the target accepts draft long, rows whose
+drafts it rejects take a plain AR step in the same forward.
+
+A round where row b drafts γ_b tokens emits `Σ_b e_b(γ_b)` tokens in expectation, `e_b(γ) = 1 + Σ_{k<=γ} Π_{j<=k}
+a_bj` with `a_bj` row b's acceptance at draft position j (Leviathan et al., arXiv 2211.17192, §3.1, per row). Its
+cost, with G = max_b γ_b:
+
+    c(γ) = c_ar + s·Σ_b γ_b + [G > 0]·d_0 + G·d_step
+
+`c_ar` is the batch's plain AR step, `s` the cost of verifying one more token of one row (the row-by-row attention
+reads each row's keys for the queries it needs only), `d_0 + G·d_step` the batch's draft of G steps (its first
+forward also feeds what each row's draft cache has not seen). Both lines are fitted to the call's own rounds. `RowDraftLength` picks the γ vector with the most expected tokens per
+second: for each G, each row's best γ_b <= G at the current rate (Dinkelbach's iteration for a ratio), and
+all-AR unless drafting is predicted to beat it by `switch_margin`. Acceptance is learnt by drafting: the first round
+drafts `probe_length` tokens in every row, and a row that stays at γ = 0 drafts `probe_length` once after 8, 16,
+... 256 AR rounds, so a row whose text turns predictable is taken back (a short probe would teach too little: the
+gain of drafting comes from long accepted runs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .draft_length import DraftLength, _DecayedLinearFit
+
+
+@dataclass
+class RowDraftLength:
+    """Per-row adaptive draft length of a batched call (see the module docstring).
+
+    Args:
+        maximum (`int`): the longest draft of a row (the draft cache's rollback slack bounds it).
+        rows (`int`): rows of the batch (indices the caller passes are original row indices, `< rows`).
+        prior_acceptance (`float`): a priori acceptance of a draft token, before a row's first round.
+        prior_weight (`float`): how many rounds the prior weighs.
+        prior_draft_ratio (`float`): a priori cost of a draft step of the batch over its AR step.
+        prior_verify_slope (`float`): a priori cost of one more verified token over a row's share of the AR step.
+        decay (`float`): forgetting of old rounds.
+        switch_margin (`float`): predicted gain drafting must show over all-AR.
+        probe_length (`int`): what the first round and a probe draft.
+    """
+
+    maximum: int
+    rows: int
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0
+    prior_draft_ratio: float = 0.15
+    prior_verify_slope: float = 0.15
+    decay: float = 0.97
+    switch_margin: float = 0.05
+    probe_length: int = 4
+    name = "adaptive"
+
+    def __post_init__(self):
+        if self.maximum < 1:
+            raise ValueError(f"maximum must be >= 1, got {self.maximum}")
+        self.accepted = torch.zeros(
+            self.rows, self.maximum, dtype=torch.float64
+        )  # decayed counts per position
+        self.reached = torch.zeros(self.rows, self.maximum, dtype=torch.float64)
+        # verification seconds against Σγ (all-AR rounds anchor Σγ = 0, so a light ridge suffices), draft seconds
+        # against G
+        self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope / self.rows, ridge=1.0)
+        self.draft = _DecayedLinearFit(self.decay, 0.2, ridge=1.0)  # a prior step: a fifth of the mean draft
+        self.rounds = 0
+        self.drafting_rounds_in_a_row = 0
+        self.remeasure_after = 32
+        self.ar_measured = False
+        self.ar_streak = torch.zeros(self.rows, dtype=torch.long)  # AR rounds in a row, per row
+        self.probe_after = torch.full((self.rows,), 8, dtype=torch.long)
+
+    # -- estimates -----------------------------------------------------------------------------------------------
+    def acceptance(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(n, maximum)` posterior mean acceptance per draft position of the rows `rows`, each pooled towards the
+        row's own overall acceptance (positions a row rarely reaches borrow its strength)."""
+        accepted, reached, weight = self.accepted[rows], self.reached[rows], self.prior_weight
+        pooled = (accepted.sum(-1, keepdim=True) + self.prior_acceptance * weight) / (
+            reached.sum(-1, keepdim=True) + weight
+        )
+        return (accepted + pooled * weight) / (reached + weight)
+
+    def expected_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(n, maximum + 1)`: expected tokens row b emits when it drafts γ = 0..maximum."""
+        survive = self.acceptance(rows).cumprod(-1)
+        return torch.cat([torch.ones(len(rows), 1, dtype=survive.dtype), 1 + survive.cumsum(-1)], -1)
+
+    def costs(self, rows: int) -> tuple[float, float, float, float]:
+        """`(c_ar, s, d_0, d_step)` in seconds for a batch of `rows` rows (relative units before any timing)."""
+        if self.verify.count == 0:
+            c_ar, slope = 1.0, self.prior_verify_slope / rows
+        else:
+            c_ar, slope = self.verify.coefficients()
+        if self.draft.count == 0:
+            return c_ar, slope, 0.0, self.prior_draft_ratio * c_ar
+        return c_ar, slope, *self.draft.coefficients()
+
+    def plan(self, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+        """`(γ (n,), its expected tokens per second, all-AR's)` for the rows `rows`."""
+        tokens = self.expected_tokens(rows)  # (n, M + 1)
+        n = len(rows)
+        c_ar, slope, draft_start, draft_step = self.costs(n)
+        ar_rate = n / c_ar
+        best, best_rate = torch.zeros(n, dtype=torch.long), ar_rate
+        steps = torch.arange(self.maximum + 1, dtype=tokens.dtype)
+        for cap in range(1, self.maximum + 1):
+            rate = ar_rate
+            for _ in range(4):  # Dinkelbach: maximise Σ e_b(γ_b) - rate · cost at the current rate
+                gamma = (tokens[:, : cap + 1] - rate * slope * steps[: cap + 1]).argmax(-1)
+                longest = int(gamma.max())
+                cost = (
+                    c_ar
+                    + slope * float(gamma.sum())
+                    + (draft_start + draft_step * longest if longest else 0.0)
+                )
+                rate = float(tokens.gather(1, gamma[:, None]).sum()) / cost
+            if rate > best_rate:
+                best, best_rate = gamma, rate
+        return best, best_rate, ar_rate
+
+    # -- policy --------------------------------------------------------------------------------------------------
+    def next_lengths(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(n,)` long: the draft length of each active row (`rows`: their original indices)."""
+        rows = rows.cpu()
+        n = len(rows)
+        probe = min(self.probe_length, self.maximum)
+        if self.rounds == 0:
+            return torch.full((n,), probe, dtype=torch.long)
+        if self.rounds >= 2 and not self.ar_measured:
+            return torch.zeros(n, dtype=torch.long)  # one all-AR round: what drafting is compared with
+        gamma, rate, ar_rate = self.plan(rows)
+        if rate < (1 + self.switch_margin) * ar_rate:
+            gamma = torch.zeros_like(gamma)  # a predicted gain inside the estimates' noise buys nothing
+        if bool(gamma.any()) and self.drafting_rounds_in_a_row >= self.remeasure_after:
+            self.remeasure_after = min(2 * self.remeasure_after, 256)
+            return torch.zeros(n, dtype=torch.long)  # re-measure the AR step
+        self.probe_after[rows[gamma > 0]] = (
+            8  # drafting pays for these rows: probe soon after their next fallback
+        )
+        due = (gamma == 0) & (self.ar_streak[rows] >= self.probe_after[rows])
+        if bool(due.any()):  # rows that have not drafted for a while draft once
+            gamma[due] = probe
+            self.probe_after[rows[due]] = (self.probe_after[rows[due]] * 2).clamp(max=256)
+            self.ar_streak[rows[due]] = 0
+        return gamma
+
+    def update(
+        self,
+        rows: torch.Tensor,
+        drafted: torch.Tensor,
+        accepted: torch.Tensor,
+        draft_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        """Record a round: row `rows[i]` drafted `drafted[i]` and kept `accepted[i]`; the round's two phase times."""
+        rows, drafted, accepted = rows.cpu(), drafted.cpu(), accepted.cpu()
+        self.rounds += 1
+        drafting = drafted > 0
+        self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if bool(drafting.any()) else 0
+        self.ar_streak[rows] = torch.where(drafting, 0, self.ar_streak[rows] + 1)
+        if bool(drafting.any()):
+            positions = torch.arange(self.maximum)[None]
+            mine = rows[drafting]
+            self.accepted[mine] *= self.decay
+            self.reached[mine] *= self.decay
+            kept, length = accepted[drafting][:, None], drafted[drafting][:, None]
+            self.reached[mine] += ((positions <= kept) & (positions < length)).double()
+            self.accepted[mine] += (positions < kept).double()
+        if not (math.isfinite(verify_seconds) and verify_seconds > 0):
+            return
+        self.verify.add(float(drafted.sum()), verify_seconds)
+        if bool(drafting.any()):
+            self.draft.add(float(drafted.max()), draft_seconds)
+        else:
+            self.ar_measured = True
+
+
+class SharedDraftLength:
+    """A batch-wide `DraftLength` (fixed, heuristic) behind the per-row interface: every row drafts its length."""
+
+    def __init__(self, policy: DraftLength):
+        self.policy = policy
+        self.name = policy.name
+
+    def next_lengths(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.full((len(rows),), self.policy.next_length(), dtype=torch.long)
+
+    def update(
+        self,
+        rows: torch.Tensor,
+        drafted: torch.Tensor,
+        accepted: torch.Tensor,
+        draft_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        gamma = int(drafted.max()) if len(drafted) else 0
+        self.policy.update(
+            gamma, accepted.tolist() if gamma else [0] * len(rows), draft_seconds, verify_seconds
+        )

@@ -1,0 +1,83 @@
+"""The per-row draft-length policy of batched calls against fake cost / acceptance streams (no models, no timing)."""
+
+import random
+
+import pytest
+import torch
+
+from hf_budgetdraft.generation.draft_length import FixedDraftLength, HeuristicDraftLength
+from hf_budgetdraft.generation.row_draft_length import RowDraftLength, SharedDraftLength
+
+
+def simulate(policy, acceptance: list[float], rounds: int, verify=(0.010, 0.001), draft=(0.001, 0.001)):
+    """Feed `policy` rounds of a batch whose row b accepts each draft token with `acceptance[b]`; a round costs
+    `verify[0] + verify[1]·Σγ` to verify and `draft[0] + draft[1]·G` to draft. Returns the `(rounds, B)` lengths."""
+    rng = random.Random(0)
+    rows = torch.arange(len(acceptance))
+    chosen = []
+    for _ in range(rounds):
+        lengths = policy.next_lengths(rows)
+        kept = []
+        for gamma, rate in zip(lengths.tolist(), acceptance, strict=True):
+            count = 0
+            while count < gamma and rng.random() < rate:
+                count += 1
+            kept.append(count)
+        longest = int(lengths.max())
+        draft_seconds = draft[0] + draft[1] * longest if longest else 0.0
+        policy.update(
+            rows, lengths, torch.tensor(kept), draft_seconds, verify[0] + verify[1] * float(lengths.sum())
+        )
+        chosen.append(lengths.tolist())
+    return torch.tensor(chosen)
+
+
+def test_rows_that_accept_draft_long_and_rows_that_reject_take_ar_steps():
+    chosen = simulate(RowDraftLength(maximum=8, rows=3), [0.95, 0.0, 0.9], rounds=120)
+    late = chosen[40:]
+    assert float((late[:, 0] >= 4).float().mean()) > 0.8 and float((late[:, 2] >= 3).float().mean()) > 0.8
+    assert float((late[:, 1] == 0).float().mean()) > 0.9  # only probes draft for the row that never accepts
+    assert bool(((late[:, 1] == 0) & (late[:, 0] > 0)).any())  # different lengths in one round
+
+
+def test_no_row_drafts_when_drafting_cannot_pay():
+    # every row rejects: after the first round only the scheduled probes draft, and they get rarer
+    chosen = simulate(RowDraftLength(maximum=8, rows=4), [0.0] * 4, rounds=200)
+    drafting_rounds = [i for i, row in enumerate(chosen.tolist()) if any(row)]
+    assert drafting_rounds[0] == 0 and len(drafting_rounds) <= 8
+    gaps = [b - a for a, b in zip(drafting_rounds[1:], drafting_rounds[2:], strict=False)]
+    assert gaps == sorted(gaps)  # probes back off
+    # costly drafts: even a row that accepts everything stays at AR when a draft step costs more than it emits
+    chosen = simulate(RowDraftLength(maximum=8, rows=2), [1.0, 1.0], rounds=60, draft=(0.05, 0.05))
+    assert int((chosen[10:] > 0).sum()) <= 4
+
+
+def test_the_first_round_probes_and_the_second_measures_ar():
+    policy = RowDraftLength(maximum=8, rows=2, probe_length=3)
+    chosen = simulate(policy, [0.9, 0.9], rounds=3)
+    assert chosen[0].tolist() == [3, 3]
+    assert 0 in (chosen[1].tolist() + chosen[2].tolist()) or policy.ar_measured  # the AR step gets measured
+    assert policy.ar_measured
+
+
+def test_finished_rows_leave_the_policy_consistent():
+    policy = RowDraftLength(maximum=4, rows=5)
+    rows = torch.tensor([0, 2, 4])  # rows 1 and 3 finished
+    lengths = policy.next_lengths(rows)
+    assert lengths.shape == (3,)
+    policy.update(rows, lengths, torch.tensor([4, 0, 2]), 0.004, 0.02)
+    assert policy.reached[1].sum() == 0 and policy.reached[2, 0] == 1 and policy.accepted[0].sum() == 4
+
+
+def test_shared_lengths_are_the_plan_s_own():
+    rows = torch.arange(3)
+    shared = SharedDraftLength(FixedDraftLength(5))
+    assert shared.next_lengths(rows).tolist() == [5, 5, 5] and shared.name == "fixed"
+    heuristic = SharedDraftLength(HeuristicDraftLength(length=4, maximum=8))
+    heuristic.update(rows, torch.full((3,), 4), torch.tensor([4, 4, 4]), 0.0, 0.0)
+    assert heuristic.next_lengths(rows).tolist() == [6, 6, 6]  # +2 after a round every row kept
+
+
+def test_bad_maximum_is_refused():
+    with pytest.raises(ValueError, match="maximum must be >= 1"):
+        RowDraftLength(maximum=0, rows=2)
