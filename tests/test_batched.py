@@ -245,7 +245,7 @@ class ScriptedRowLengths:
     def __init__(self, pattern=(0, 3, 1, 2)):
         self.pattern, self.round = pattern, 0
 
-    def next_lengths(self, rows):
+    def next_lengths(self, rows, remaining):
         return torch.tensor([self.pattern[(int(r) + self.round) % len(self.pattern)] for r in rows])
 
     def update(self, rows, drafted, accepted, draft_seconds, verify_seconds):

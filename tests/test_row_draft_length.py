@@ -16,7 +16,7 @@ def simulate(policy, acceptance: list[float], rounds: int, verify=(0.010, 0.001)
     rows = torch.arange(len(acceptance))
     chosen = []
     for _ in range(rounds):
-        lengths = policy.next_lengths(rows)
+        lengths = policy.next_lengths(rows, torch.full((len(rows),), 10_000))
         kept = []
         for gamma, rate in zip(lengths.tolist(), acceptance, strict=True):
             count = 0
@@ -33,7 +33,14 @@ def simulate(policy, acceptance: list[float], rounds: int, verify=(0.010, 0.001)
 
 
 def test_rows_that_accept_draft_long_and_rows_that_reject_take_ar_steps():
-    chosen = simulate(RowDraftLength(maximum=8, rows=3), [0.95, 0.0, 0.9], rounds=120)
+    # cheap drafts: the rows that accept finish far sooner for little cost, so they draft while the other steps
+    chosen = simulate(
+        RowDraftLength(maximum=8, rows=3),
+        [0.95, 0.0, 0.9],
+        rounds=120,
+        verify=(0.010, 0.0002),
+        draft=(0.0005, 0.0003),
+    )
     late = chosen[40:]
     assert float((late[:, 0] >= 4).float().mean()) > 0.8 and float((late[:, 2] >= 3).float().mean()) > 0.8
     assert float((late[:, 1] == 0).float().mean()) > 0.9  # only probes draft for the row that never accepts
@@ -52,6 +59,24 @@ def test_no_row_drafts_when_drafting_cannot_pay():
     assert int((chosen[10:] > 0).sum()) <= 4
 
 
+def test_a_batch_waits_for_its_slowest_row():
+    # the batch ends when its last row does: drafting for one fast row among rows that cannot accept only pays when
+    # it costs less than the row-steps it saves; here it does not, and the rows step together at AR
+    mixed = simulate(
+        RowDraftLength(maximum=8, rows=4),
+        [0.9, 0.0, 0.0, 0.0],
+        rounds=80,
+        verify=(0.010, 0.0005),
+        draft=(0.002, 0.0015),
+    )
+    assert int((mixed[20:] > 0).sum()) <= 8  # probes only
+    # the same costs with every row accepting: every row drafts
+    fitting = simulate(
+        RowDraftLength(maximum=8, rows=4), [0.9] * 4, rounds=80, verify=(0.010, 0.0005), draft=(0.002, 0.0015)
+    )
+    assert float((fitting[20:] >= 3).float().mean()) > 0.8
+
+
 def test_the_first_round_probes_and_the_second_measures_ar():
     policy = RowDraftLength(maximum=8, rows=2, probe_length=3)
     chosen = simulate(policy, [0.9, 0.9], rounds=3)
@@ -63,7 +88,7 @@ def test_the_first_round_probes_and_the_second_measures_ar():
 def test_finished_rows_leave_the_policy_consistent():
     policy = RowDraftLength(maximum=4, rows=5)
     rows = torch.tensor([0, 2, 4])  # rows 1 and 3 finished
-    lengths = policy.next_lengths(rows)
+    lengths = policy.next_lengths(rows, torch.full((3,), 100))
     assert lengths.shape == (3,)
     policy.update(rows, lengths, torch.tensor([4, 0, 2]), 0.004, 0.02)
     assert policy.reached[1].sum() == 0 and policy.reached[2, 0] == 1 and policy.accepted[0].sum() == 4
@@ -72,10 +97,14 @@ def test_finished_rows_leave_the_policy_consistent():
 def test_shared_lengths_are_the_plan_s_own():
     rows = torch.arange(3)
     shared = SharedDraftLength(FixedDraftLength(5))
-    assert shared.next_lengths(rows).tolist() == [5, 5, 5] and shared.name == "fixed"
+    assert shared.next_lengths(rows, torch.ones(3)).tolist() == [5, 5, 5] and shared.name == "fixed"
     heuristic = SharedDraftLength(HeuristicDraftLength(length=4, maximum=8))
     heuristic.update(rows, torch.full((3,), 4), torch.tensor([4, 4, 4]), 0.0, 0.0)
-    assert heuristic.next_lengths(rows).tolist() == [6, 6, 6]  # +2 after a round every row kept
+    assert heuristic.next_lengths(rows, torch.ones(3)).tolist() == [
+        6,
+        6,
+        6,
+    ]  # +2 after a round every row kept
 
 
 def test_bad_maximum_is_refused():

@@ -13,6 +13,9 @@ verification slow at long context on CPU (`benchmarks/verify_cost.py`; `benchmar
   and the attention is split: the past (every new query sees all of it, no mask) and the new block (causal,
   `q x q`), each with its log-sum-exp, merged exactly:
   `out = out_new + sigmoid(lse_past - lse_new) * (out_past - out_new)`.
+- **Ragged batches row by row.** Inside `ragged_rows(cache)` (the batched speculative loop), a full-attention layer
+  of that cache attends each row's needed queries over its own keys with the two paths above, ignoring the mask
+  (`ragged_rows.py`): no key past a row's length is read, and a row verifying one token pays for one query.
 
 Everything else goes to a reference path, never to an approximation: a real mask (left padding, sliding window,
 static cache, packed sequences) runs masked SDPA (with `enable_gqa` on CPU); dropout, `position_bias`,

@@ -4,9 +4,9 @@ advances by its own accepted count each round (ragged acceptance; no row waits f
 `target.generate(batch, attention_mask=mask, assistant_model=drafter, cache_implementation=...)` with more than
 one row lands here (transformers' assisted generation is single-sequence). A round, gpt-fast style:
 
-1. draft γ tokens for all rows: one forward feeds each row what its draft cache has not seen (ragged counts, at
-   most `slack` a forward), then γ - 1 one-token steps;
-2. the target verifies `[last token, γ drafts]` of every row in one `(B, γ + 1)` forward on its ragged full cache;
+1. draft G = max_b γ_b tokens for all rows: one forward feeds each row what its draft cache has not seen (ragged
+   counts, at most `slack` a forward), then G - 1 one-token steps (a row keeps its first γ_b);
+2. the target verifies `[last token, γ_b drafts]` of every row in one `(B, G + 1)` forward on its ragged full cache;
 3. each row keeps its agreeing drafts plus the target's next token (greedy), or what speculative sampling accepts;
    stopping criteria end rows; both caches roll each row back by what it rejected (`crop_rows`);
 4. finished rows leave the batch (their cache rows are dropped), so they cost nothing after.
@@ -322,7 +322,8 @@ class BatchedSpeculation:
         self._drop(finished)
         while self.rows.numel():
             rows = self.rows
-            lengths = draft_length.next_lengths(rows)  # (B,) per active row
+            remaining = self.max_new - self.generated[rows]
+            lengths = draft_length.next_lengths(rows, remaining)  # (B,) per active row
             begin = time.perf_counter()
             kept, new = self._verify(lengths)
             finished = self._emit(kept, new)

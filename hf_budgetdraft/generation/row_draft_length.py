@@ -41,6 +41,9 @@ class RowDraftLength:
         decay (`float`): forgetting of old rounds.
         switch_margin (`float`): predicted gain drafting must show over all-AR.
         probe_length (`int`): what the first round and a probe draft.
+        row_share (`float`): the part of the batch's AR step that scales with its rows (the rest — weights, launch
+            and Python overhead — is paid per round whatever the rows); a prior, the rows rarely change enough to
+            fit it.
     """
 
     maximum: int
@@ -52,6 +55,7 @@ class RowDraftLength:
     decay: float = 0.97
     switch_margin: float = 0.05
     probe_length: int = 4
+    row_share: float = 0.6
     name = "adaptive"
 
     def __post_init__(self):
@@ -97,42 +101,62 @@ class RowDraftLength:
             return c_ar, slope, 0.0, self.prior_draft_ratio * c_ar
         return c_ar, slope, *self.draft.coefficients()
 
-    def plan(self, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-        """`(γ (n,), its expected tokens per second, all-AR's)` for the rows `rows`."""
+    def plan(self, rows: torch.Tensor, remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(candidates (C, n), finish times (C,))` for the rows `rows`: all-AR, and for each cap G = 1..maximum the γ
+        vector with the most expected tokens per second of a round (each row's best γ_b <= G at that rate,
+        Dinkelbach's iteration), each with its `finish_time`."""
         tokens = self.expected_tokens(rows)  # (n, M + 1)
-        n = len(rows)
+        n, top = len(rows), self.maximum
         c_ar, slope, draft_start, draft_step = self.costs(n)
-        ar_rate = n / c_ar
-        best, best_rate = torch.zeros(n, dtype=torch.long), ar_rate
-        steps = torch.arange(self.maximum + 1, dtype=tokens.dtype)
-        for cap in range(1, self.maximum + 1):
-            rate = ar_rate
-            for _ in range(4):  # Dinkelbach: maximise Σ e_b(γ_b) - rate · cost at the current rate
-                gamma = (tokens[:, : cap + 1] - rate * slope * steps[: cap + 1]).argmax(-1)
-                longest = int(gamma.max())
-                cost = (
-                    c_ar
-                    + slope * float(gamma.sum())
-                    + (draft_start + draft_step * longest if longest else 0.0)
-                )
-                rate = float(tokens.gather(1, gamma[:, None]).sum()) / cost
-            if rate > best_rate:
-                best, best_rate = gamma, rate
-        return best, best_rate, ar_rate
+        steps = torch.arange(top + 1, dtype=tokens.dtype)
+        caps = torch.arange(1, top + 1)
+        allowed = steps[None, :] <= caps[:, None]  # (G, M + 1)
+        rate = torch.full((top,), n / c_ar, dtype=tokens.dtype)
+        for _ in range(
+            4
+        ):  # maximise Σ e_b(γ_b) - rate · cost at each cap's current rate, then update the rate
+            gain = tokens[None] - (rate * slope)[:, None, None] * steps  # (G, n, M + 1)
+            gamma = gain.masked_fill(~allowed[:, None], -float("inf")).argmax(-1)  # (G, n)
+            longest = gamma.max(-1).values.to(tokens.dtype)
+            cost = c_ar + slope * gamma.sum(-1) + draft_start + draft_step * longest
+            rate = tokens.gather(1, gamma.T).sum(0) / cost
+        candidates = torch.cat([torch.zeros(1, n, dtype=torch.long), gamma])  # (G + 1, n)
+        return candidates, self.finish_time(tokens, candidates, remaining)
+
+    def finish_time(
+        self, tokens: torch.Tensor, candidates: torch.Tensor, remaining: torch.Tensor
+    ) -> torch.Tensor:
+        """`(C,)` expected seconds until every row has emitted its `remaining` `(n,)` tokens if row b drafts
+        `candidates[c, b]` every round (`tokens` `(n, M + 1)`: `expected_tokens`): a row leaves after
+        `ceil(remaining_b / e_b(γ_b))` rounds, and a round costs the AR step's fixed part, each active row's part
+        plus `s·γ_b`, and the draft of the longest active γ."""
+        n = tokens.shape[0]
+        c_ar, slope, draft_start, draft_step = self.costs(n)
+        emitted = tokens.T.gather(0, candidates)  # (C, n)
+        rounds, order = (remaining.double()[None] / emitted).ceil().sort(-1)
+        gamma = candidates.gather(1, order).double()
+        per_row = self.row_share * c_ar / n + slope * gamma
+        active_cost = per_row.flip(-1).cumsum(-1).flip(-1)  # rows order[i:] are active until rounds[i]
+        longest = gamma.flip(-1).cummax(-1).values.flip(-1)
+        draft = torch.where(longest > 0, draft_start + draft_step * longest, 0.0)
+        spans = torch.diff(rounds, dim=-1, prepend=rounds.new_zeros(rounds.shape[0], 1))
+        return (spans * ((1 - self.row_share) * c_ar + active_cost + draft)).sum(-1)
 
     # -- policy --------------------------------------------------------------------------------------------------
-    def next_lengths(self, rows: torch.Tensor) -> torch.Tensor:
-        """`(n,)` long: the draft length of each active row (`rows`: their original indices)."""
-        rows = rows.cpu()
+    def next_lengths(self, rows: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
+        """`(n,)` long: the draft length of each active row (`rows`: their original indices; `remaining`: the tokens
+        each may still emit)."""
+        rows, remaining = rows.cpu(), remaining.cpu().clamp(min=1)
         n = len(rows)
         probe = min(self.probe_length, self.maximum)
         if self.rounds == 0:
             return torch.full((n,), probe, dtype=torch.long)
         if self.rounds >= 2 and not self.ar_measured:
             return torch.zeros(n, dtype=torch.long)  # one all-AR round: what drafting is compared with
-        gamma, rate, ar_rate = self.plan(rows)
-        if rate < (1 + self.switch_margin) * ar_rate:
-            gamma = torch.zeros_like(gamma)  # a predicted gain inside the estimates' noise buys nothing
+        candidates, times = self.plan(rows, remaining)
+        best = int(times.argmin())
+        # all-AR unless drafting is predicted to finish sooner by more than the estimates' noise
+        gamma = candidates[best] if times[best] < (1 - self.switch_margin) * times[0] else candidates[0]
         if bool(gamma.any()) and self.drafting_rounds_in_a_row >= self.remeasure_after:
             self.remeasure_after = min(2 * self.remeasure_after, 256)
             return torch.zeros(n, dtype=torch.long)  # re-measure the AR step
@@ -184,7 +208,7 @@ class SharedDraftLength:
         self.policy = policy
         self.name = policy.name
 
-    def next_lengths(self, rows: torch.Tensor) -> torch.Tensor:
+    def next_lengths(self, rows: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
         return torch.full((len(rows),), self.policy.next_length(), dtype=torch.long)
 
     def update(
