@@ -1,20 +1,23 @@
-"""A draft length per row of a batched speculative round: rows whose drafts the target accepts draft long, rows whose
-drafts it rejects take a plain AR step in the same forward.
+"""A draft length per row of a batched speculative round: rows whose drafts the target accepts may draft long while
+rows whose drafts it rejects take a plain AR step in the same forward.
 
-A round where row b drafts γ_b tokens emits `Σ_b e_b(γ_b)` tokens in expectation, `e_b(γ) = 1 + Σ_{k<=γ} Π_{j<=k}
-a_bj` with `a_bj` row b's acceptance at draft position j (Leviathan et al., arXiv 2211.17192, §3.1, per row). Its
-cost, with G = max_b γ_b:
+Row b drafting γ_b emits `e_b(γ_b) = 1 + Σ_{k<=γ_b} Π_{j<=k} a_bj` tokens in expectation, `a_bj` its acceptance at
+draft position j (Leviathan et al., arXiv 2211.17192, §3.1, per row). A round costs, with G = max_b γ_b,
 
-    c(γ) = c_ar + s·Σ_b γ_b + [G > 0]·d_0 + G·d_step
+    c(γ) = c_ar + s·Σ_b γ_b + [G > 0]·(d_0 + G·d_step)
 
-`c_ar` is the batch's plain AR step, `s` the cost of verifying one more token of one row (the row-by-row attention
-reads each row's keys for the queries it needs only), `d_0 + G·d_step` the batch's draft of G steps (its first
-forward also feeds what each row's draft cache has not seen). Both lines are fitted to the call's own rounds. `RowDraftLength` picks the γ vector with the most expected tokens per
-second: for each G, each row's best γ_b <= G at the current rate (Dinkelbach's iteration for a ratio), and
-all-AR unless drafting is predicted to beat it by `switch_margin`. Acceptance is learnt by drafting: the first round
-drafts `probe_length` tokens in every row, and a row that stays at γ = 0 drafts `probe_length` once after 8, 16,
-... 256 AR rounds, so a row whose text turns predictable is taken back (a short probe would teach too little: the
-gain of drafting comes from long accepted runs).
+`c_ar` the batch's plain AR step, `s` one more verified token of one row (the target attends row by row, each row
+for the queries it needs), `d_0 + G·d_step` the batch's draft (its first forward also feeds what each row's draft
+cache has not seen); both lines are fitted to the call's own rounds. A call returns when its last row finishes, so
+`RowDraftLength` picks the γ vector that minimises the expected time until every row has its remaining tokens —
+rows leave as they finish, and the AR step splits into a per-round part and a per-row part — among all-AR and, for
+each cap G, the vector with the most tokens per second of a round (each row's best γ_b <= G at that rate,
+Dinkelbach's iteration). Drafting must be predicted to finish `switch_margin` sooner than all-AR.
+
+Acceptance is learnt by drafting: the first round drafts `probe_length` tokens in every row, and a row left at
+γ = 0 drafts `probe_length` once after 8, 16, ... 256 AR rounds (one such probe a round, the most overdue row's), so
+a row whose text turns predictable is taken back; a short probe would teach too little, the gain of drafting comes
+from long accepted runs.
 """
 
 from __future__ import annotations
@@ -163,11 +166,13 @@ class RowDraftLength:
         self.probe_after[rows[gamma > 0]] = (
             8  # drafting pays for these rows: probe soon after their next fallback
         )
-        due = (gamma == 0) & (self.ar_streak[rows] >= self.probe_after[rows])
-        if bool(due.any()):  # rows that have not drafted for a while draft once
-            gamma[due] = probe
-            self.probe_after[rows[due]] = (self.probe_after[rows[due]] * 2).clamp(max=256)
-            self.ar_streak[rows[due]] = 0
+        overdue = torch.where(gamma == 0, self.ar_streak[rows] - self.probe_after[rows], -1)
+        if int(overdue.max()) >= 0:  # the row most overdue drafts once (one a round: a probe costs every row)
+            index = int(overdue.argmax())
+            row = rows[index]
+            gamma[index] = probe
+            self.probe_after[row] = min(2 * int(self.probe_after[row]), 256)
+            self.ar_streak[row] = 0
         return gamma
 
     def update(
