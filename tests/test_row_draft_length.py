@@ -51,12 +51,11 @@ def test_no_row_drafts_when_drafting_cannot_pay():
     # every row rejects: after the first round only the scheduled probes draft, and they get rarer
     chosen = simulate(RowDraftLength(maximum=8, rows=4), [0.0] * 4, rounds=200)
     assert chosen[0].tolist() == [4, 4, 4, 4]
-    assert int((chosen[1:] > 0).sum(-1).max()) <= 1  # one probe a round at most
-    for row in range(4):
-        probes = (chosen[1:, row] > 0).nonzero()[:, 0].tolist()
-        assert 3 <= len(probes) <= 5  # after 8, 16, 32, 64 (128 is past the end) AR rounds of its own
-        gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-        assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # the probes back off
+    drafting_rounds = [i for i, row in enumerate(chosen.tolist()) if any(row)]
+    assert len(drafting_rounds) <= 8  # the first round, then probes after 8, 16, 32, 64 AR rounds
+    assert all(chosen[i].tolist() == [4, 4, 4, 4] for i in drafting_rounds)  # rows due together probe together
+    gaps = [b - a for a, b in zip(drafting_rounds[1:], drafting_rounds[2:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # the probes back off
     # costly drafts: even a row that accepts everything stays at AR when a draft step costs more than it emits
     chosen = simulate(RowDraftLength(maximum=8, rows=2), [1.0, 1.0], rounds=60, draft=(0.05, 0.05))
     assert int((chosen[10:] > 0).sum()) <= 4

@@ -15,9 +15,9 @@ each cap G, the vector with the most tokens per second of a round (each row's be
 Dinkelbach's iteration). Drafting must be predicted to finish `switch_margin` sooner than all-AR.
 
 Acceptance is learnt by drafting: the first round drafts `probe_length` tokens in every row, and a row left at
-γ = 0 drafts `probe_length` once after 8, 16, ... 256 AR rounds (one such probe a round, the most overdue row's), so
-a row whose text turns predictable is taken back; a short probe would teach too little, the gain of drafting comes
-from long accepted runs.
+γ = 0 drafts `probe_length` once after 8, 16, ... 256 AR rounds, so a row whose text turns predictable is taken
+back. Rows due together probe in one round (a drafting round costs every row: probing them apart costs one such round
+per row). A short probe would teach too little: the gain of drafting comes from long accepted runs.
 """
 
 from __future__ import annotations
@@ -166,13 +166,13 @@ class RowDraftLength:
         self.probe_after[rows[gamma > 0]] = (
             8  # drafting pays for these rows: probe soon after their next fallback
         )
-        overdue = torch.where(gamma == 0, self.ar_streak[rows] - self.probe_after[rows], -1)
-        if int(overdue.max()) >= 0:  # the row most overdue drafts once (one a round: a probe costs every row)
-            index = int(overdue.argmax())
-            row = rows[index]
-            gamma[index] = probe
-            self.probe_after[row] = min(2 * int(self.probe_after[row]), 256)
-            self.ar_streak[row] = 0
+        due = (gamma == 0) & (self.ar_streak[rows] >= self.probe_after[rows])
+        if bool(
+            due.any()
+        ):  # rows that have not drafted for a while draft once, together (one drafting round)
+            gamma[due] = probe
+            self.probe_after[rows[due]] = (self.probe_after[rows[due]] * 2).clamp(max=256)
+            self.ar_streak[rows[due]] = 0
         return gamma
 
     def update(
