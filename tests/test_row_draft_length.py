@@ -53,7 +53,9 @@ def test_no_row_drafts_when_drafting_cannot_pay():
     assert chosen[0].tolist() == [4, 4, 4, 4]
     drafting_rounds = [i for i, row in enumerate(chosen.tolist()) if any(row)]
     assert len(drafting_rounds) <= 8  # the first round, then probes after 8, 16, 32, 64 AR rounds
-    assert all(chosen[i].tolist() == [4, 4, 4, 4] for i in drafting_rounds)  # rows due together probe together
+    assert all(
+        chosen[i].tolist() == [4, 4, 4, 4] for i in drafting_rounds
+    )  # rows due together probe together
     gaps = [b - a for a, b in zip(drafting_rounds[1:], drafting_rounds[2:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # the probes back off
     # costly drafts: even a row that accepts everything stays at AR when a draft step costs more than it emits
