@@ -200,6 +200,21 @@ def test_crop_rows_refuses_what_the_ring_lost():
 
 
 # -- sampling ------------------------------------------------------------------------------------------------------
+def sample_batch(target, drafter, ids, mask):
+    """One batched sampling call on the budgeted draft cache: 2 new tokens a row, temperature 1, no top-k."""
+    return target.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=True,
+        top_k=0,
+        max_new_tokens=2,
+        pad_token_id=0,
+        assistant_model=drafter,
+        cache_implementation="budgeted",
+        cache_config={"budget": 16},
+    )
+
+
 def test_batched_sampling_keeps_each_rows_distribution():
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=3, draft_layers=1)
     prompts = [random_prompt(64, seed=5)[0], random_prompt(40, seed=9)[0]]
@@ -211,17 +226,7 @@ def test_batched_sampling_keeps_each_rows_distribution():
     torch.manual_seed(0)
     counts = torch.zeros(len(prompts), 2, 128)
     for _ in range(calls):
-        out = target.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=2,
-            pad_token_id=0,
-            assistant_model=drafter,
-            cache_implementation="budgeted",
-            cache_config={"budget": 16},
-        )
+        out = sample_batch(target, drafter, ids, mask)
         for p in range(len(prompts)):
             rows = out[p * copies : (p + 1) * copies, -2:]
             for position in range(2):
@@ -322,17 +327,7 @@ def test_batched_sampling_keeps_each_rows_distribution_with_per_row_lengths(scri
     torch.manual_seed(1)
     counts = torch.zeros(128)
     for _ in range(calls):
-        out = target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=2,
-            pad_token_id=0,
-            assistant_model=drafter,
-            cache_implementation="budgeted",
-            cache_config={"budget": 16},
-        )
+        out = sample_batch(target, drafter, ids, torch.ones_like(ids))
         counts += torch.bincount(out[:, -1], minlength=128).float()  # drawn in the first round: mixed lengths
     with torch.no_grad():
         first = warped(target(prompt[None]).logits[0, -1:])[0]

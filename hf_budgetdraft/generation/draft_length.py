@@ -206,20 +206,18 @@ class AdaptiveDraftLength(DraftLength):
         return best
 
     def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
-        """`accepted`: an int, or one count per row of a batched round (the rows share the round's cost, so the
-        policy maximises the batch's tokens per second)."""
+        """`accepted`: draft tokens kept (one sequence; a batch has `RowDraftLength`)."""
         self.rounds += 1
         self.ar_rounds_in_a_row = self.ar_rounds_in_a_row + 1 if drafted == 0 else 0
         self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if drafted else 0
         if drafted:
-            rows = _per_row(accepted)
+            kept = int(accepted)
             for k in range(self.maximum):
                 self.accepted[k] *= self.decay
                 self.reached[k] *= self.decay
-            for kept in rows:
-                for k in range(min(drafted, kept + 1)):  # positions 0..kept were reached
-                    self.reached[k] += 1.0 / len(rows)
-                    self.accepted[k] += 1.0 / len(rows) if k < kept else 0.0
+            for k in range(min(drafted, kept + 1)):  # positions 0..kept were reached
+                self.reached[k] += 1.0
+                self.accepted[k] += 1.0 if k < kept else 0.0
         if self.rounds == 1 or not (math.isfinite(verify_seconds) and verify_seconds > 0):
             return  # the first round holds the target's and the drafter's prefills
         if not drafted:

@@ -115,26 +115,27 @@ class RowDraftLength:
         caps = torch.arange(1, top + 1)
         allowed = steps[None, :] <= caps[:, None]  # (G, M + 1)
         rate = torch.full((top,), n / c_ar, dtype=tokens.dtype)
-        for _ in range(
-            4
-        ):  # maximise Σ e_b(γ_b) - rate · cost at each cap's current rate, then update the rate
+        # Dinkelbach: maximise Σ e_b(γ_b) - rate · cost at each cap's current rate, then update the rate
+        for _ in range(4):
             gain = tokens[None] - (rate * slope)[:, None, None] * steps  # (G, n, M + 1)
             gamma = gain.masked_fill(~allowed[:, None], -float("inf")).argmax(-1)  # (G, n)
             longest = gamma.max(-1).values.to(tokens.dtype)
             cost = c_ar + slope * gamma.sum(-1) + draft_start + draft_step * longest
             rate = tokens.gather(1, gamma.T).sum(0) / cost
         candidates = torch.cat([torch.zeros(1, n, dtype=torch.long), gamma])  # (G + 1, n)
-        return candidates, self.finish_time(tokens, candidates, remaining)
+        return candidates, self.finish_time(
+            tokens, candidates, remaining, (c_ar, slope, draft_start, draft_step)
+        )
 
     def finish_time(
-        self, tokens: torch.Tensor, candidates: torch.Tensor, remaining: torch.Tensor
+        self, tokens: torch.Tensor, candidates: torch.Tensor, remaining: torch.Tensor, costs: tuple
     ) -> torch.Tensor:
         """`(C,)` expected seconds until every row has emitted its `remaining` `(n,)` tokens if row b drafts
-        `candidates[c, b]` every round (`tokens` `(n, M + 1)`: `expected_tokens`): a row leaves after
-        `ceil(remaining_b / e_b(γ_b))` rounds, and a round costs the AR step's fixed part, each active row's part
-        plus `s·γ_b`, and the draft of the longest active γ."""
+        `candidates[c, b]` every round (`tokens` `(n, M + 1)`: `expected_tokens`; `costs`: `self.costs(n)`): a row
+        leaves after `ceil(remaining_b / e_b(γ_b))` rounds, and a round costs the AR step's fixed part, each active
+        row's part plus `s·γ_b`, and the draft of the longest active γ."""
         n = tokens.shape[0]
-        c_ar, slope, draft_start, draft_step = self.costs(n)
+        c_ar, slope, draft_start, draft_step = costs
         emitted = tokens.T.gather(0, candidates)  # (C, n)
         rounds, order = (remaining.double()[None] / emitted).ceil().sort(-1)
         gamma = candidates.gather(1, order).double()
@@ -163,13 +164,11 @@ class RowDraftLength:
         if bool(gamma.any()) and self.drafting_rounds_in_a_row >= self.remeasure_after:
             self.remeasure_after = min(2 * self.remeasure_after, 256)
             return torch.zeros(n, dtype=torch.long)  # re-measure the AR step
-        self.probe_after[rows[gamma > 0]] = (
-            8  # drafting pays for these rows: probe soon after their next fallback
-        )
+        # drafting pays for these rows: probe soon after their next fallback
+        self.probe_after[rows[gamma > 0]] = 8
         due = (gamma == 0) & (self.ar_streak[rows] >= self.probe_after[rows])
-        if bool(
-            due.any()
-        ):  # rows that have not drafted for a while draft once, together (one drafting round)
+        # rows that have not drafted for a while draft once, together (one drafting round)
+        if bool(due.any()):
             gamma[due] = probe
             self.probe_after[rows[due]] = (self.probe_after[rows[due]] * 2).clamp(max=256)
             self.ar_streak[rows[due]] = 0
@@ -187,9 +186,10 @@ class RowDraftLength:
         rows, drafted, accepted = rows.cpu(), drafted.cpu(), accepted.cpu()
         self.rounds += 1
         drafting = drafted > 0
-        self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if bool(drafting.any()) else 0
+        any_drafted = bool(drafting.any())
+        self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if any_drafted else 0
         self.ar_streak[rows] = torch.where(drafting, 0, self.ar_streak[rows] + 1)
-        if bool(drafting.any()):
+        if any_drafted:
             positions = torch.arange(self.maximum)[None]
             mine = rows[drafting]
             self.accepted[mine] *= self.decay
@@ -200,7 +200,7 @@ class RowDraftLength:
         if not (math.isfinite(verify_seconds) and verify_seconds > 0):
             return
         self.verify.add(float(drafted.sum()), verify_seconds)
-        if bool(drafting.any()):
+        if any_drafted:
             self.draft.add(float(drafted.max()), draft_seconds)
         else:
             self.ar_measured = True
