@@ -12,7 +12,7 @@ the same batch, back to back, in an order that rotates with the repeat (`hf_budg
   cache_implementation="budgeted")` with every default (budget 512, window 256, adaptive draft length);
 - `full_draft`: the same loop, the drafter reading its full (ragged) cache.
 
-Parts: the goal cells (8K x B 4 and 8, 16K x B 4; all methods; repeats), the scaling grid (AR vs the one-liner),
+Parts: the goal cells (8K x B 4 and 8, 16K x B 4; all methods; repeats), the scaling grid (AR, the loop alone and the one-liner),
 sampling at T = 0.8, and `fit` / `fit16` (8K x B 4 and 8; 16K x B 4 with the full-cache draft; for `--text king_john`: text the drafter
 fits). Writes `benchmarks/results/batched_<part>.{json,md}`. Run it alone: a second busy process
 on 2 cores stalls torch's threads.
@@ -41,7 +41,7 @@ PARTS = {
     "goals": ({8192: [4, 8], 16384: [4]}, BATCH_METHODS, 128, 2, None),
     "scaling": (
         {2048: [1, 2, 4, 8, 16], 8192: [1, 2, 4, 8, 16], 16384: [1, 2, 8]},
-        ("ar", "speculative"),
+        ("ar", "loop_ar", "speculative"),
         64,
         1,
         None,
