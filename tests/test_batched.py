@@ -112,6 +112,21 @@ def test_batched_speculation_uses_the_adaptive_policy_by_default():
     assert stats.plan.spec.static is False  # ragged caches are dynamic
 
 
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_a_batch_of_64_ragged_rows_equals_the_target_batch(cache):
+    """The largest batch the tests drive: 64 rows of 30-90 tokens (every row longer than the draft cache keeps)."""
+    target, drafter = model_pair("llama")
+    lengths = [30 + (37 * i) % 61 for i in range(64)]
+    ids, mask, _ = padded_batch(lengths, seed=11)
+    expected = greedy(target, ids, mask)
+    with record_speculation() as stats:
+        out = greedy(
+            target, ids, mask, assistant_model=drafter, cache_implementation=cache, cache_config=CACHES[cache]
+        )
+    assert torch.equal(out, expected)
+    assert len(stats.rows) == 64 and stats.mean_accepted_length > 1.0
+
+
 # -- the ragged caches against B independent single-row caches ---------------------------------------------------
 def _single(kind: str, config):
     if kind == "sink_window":

@@ -48,16 +48,28 @@ def test_rows_that_accept_draft_long_and_rows_that_reject_take_ar_steps():
 
 
 def test_no_row_drafts_when_drafting_cannot_pay():
-    # every row rejects: after the first round only the scheduled probes draft, and they get rarer
-    chosen = simulate(RowDraftLength(maximum=8, rows=4), [0.0] * 4, rounds=200)
+    # every row rejects, drafts cheap: after its first rounds (the prior still hopes) only the scheduled probes
+    # draft, and they get rarer
+    cheap = {"verify": (0.010, 0.0002), "draft": (0.0005, 0.0003)}
+    chosen = simulate(RowDraftLength(maximum=8, rows=4), [0.0] * 4, rounds=200, **cheap)
     assert chosen[0].tolist() == [4, 4, 4, 4]
-    drafting_rounds = [i for i, row in enumerate(chosen.tolist()) if any(row)]
-    assert len(drafting_rounds) <= 8  # the first round, then probes after 8, 16, 32, 64 AR rounds
+    drafting_rounds = [i for i, row in enumerate(chosen.tolist()) if any(row) and i > 3]
+    assert len(drafting_rounds) <= 6  # probes after 8, 16, 32, 64 AR rounds
     assert all(
         chosen[i].tolist() == [4, 4, 4, 4] for i in drafting_rounds
     )  # rows due together probe together
-    gaps = [b - a for a, b in zip(drafting_rounds[1:], drafting_rounds[2:], strict=False)]
+    gaps = [b - a for a, b in zip(drafting_rounds, drafting_rounds[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # the probes back off
+    # the same rows, drafts dear: a probe could not pay even if the rows accepted at the prior, so none is drafted
+    chosen = simulate(RowDraftLength(maximum=8, rows=4), [0.0] * 4, rounds=200)
+    assert [i for i, row in enumerate(chosen.tolist()) if any(row)] == [0]
+    # one token left: no probe either (the backoff doubles all the same)
+    policy = RowDraftLength(maximum=8, rows=4)
+    simulate(policy, [0.0] * 4, rounds=20, **cheap)
+    policy.ar_streak[:] = 1_000
+    assert policy.next_lengths(torch.arange(4), torch.full((4,), 1)).tolist() == [0, 0, 0, 0]
+    policy.ar_streak[:] = 1_000
+    assert policy.next_lengths(torch.arange(4), torch.full((4,), 500)).tolist() == [4, 4, 4, 4]
     # costly drafts: even a row that accepts everything stays at AR when a draft step costs more than it emits
     chosen = simulate(RowDraftLength(maximum=8, rows=2), [1.0, 1.0], rounds=60, draft=(0.05, 0.05))
     assert int((chosen[10:] > 0).sum()) <= 4

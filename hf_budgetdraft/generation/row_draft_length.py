@@ -17,7 +17,10 @@ Dinkelbach's iteration). Drafting must be predicted to finish `switch_margin` so
 Acceptance is learnt by drafting: the first round drafts `probe_length` tokens in every row, and a row left at
 γ = 0 drafts `probe_length` once after 8, 16, ... 256 AR rounds, so a row whose text turns predictable is taken
 back. Rows due together probe in one round (a drafting round costs every row: probing them apart costs one such round
-per row). A short probe would teach too little: the gain of drafting comes from long accepted runs.
+per row). A short probe would teach too little: the gain of drafting comes from long accepted runs. A due probe is
+skipped when drafting could not pay even if the rows accepted as well as the best row (few tokens left, or drafts
+too dear beside this batch's AR step): in a static batch a row that does not fit is usually not the one the call
+waits for.
 """
 
 from __future__ import annotations
@@ -167,12 +170,28 @@ class RowDraftLength:
         # drafting pays for these rows: probe soon after their next fallback
         self.probe_after[rows[gamma > 0]] = 8
         due = (gamma == 0) & (self.ar_streak[rows] >= self.probe_after[rows])
-        # rows that have not drafted for a while draft once, together (one drafting round)
+        # rows that have not drafted for a while draft once, together (one drafting round), if it could pay
         if bool(due.any()):
-            gamma[due] = probe
             self.probe_after[rows[due]] = (self.probe_after[rows[due]] * 2).clamp(max=256)
             self.ar_streak[rows[due]] = 0
+            if self.probe_could_pay(rows, remaining, gamma, due):
+                gamma[due] = probe
         return gamma
+
+    def probe_could_pay(
+        self, rows: torch.Tensor, remaining: torch.Tensor, gamma: torch.Tensor, due: torch.Tensor
+    ) -> bool:
+        """Whether drafting `probe_length` in the `due` `(n,)` rows would finish sooner than `gamma` `(n,)` if they
+        accepted as well as the best active row (or the prior, if higher): a probe that could not pay even then
+        (few tokens left, drafts too dear beside this batch's AR step) is skipped."""
+        tokens = self.expected_tokens(rows)  # (n, M + 1)
+        best = max(self.prior_acceptance, float(self.acceptance(rows)[:, 0].max()))
+        hopeful = 1 + (best ** torch.arange(1, self.maximum + 1, dtype=tokens.dtype)).cumsum(0)
+        tokens[due] = torch.cat([tokens.new_ones(1), hopeful])
+        probing = gamma.clone()
+        probing[due] = min(self.probe_length, self.maximum)
+        times = self.finish_time(tokens, torch.stack([gamma, probing]), remaining, self.costs(len(rows)))
+        return bool(times[1] < times[0])
 
     def update(
         self,
