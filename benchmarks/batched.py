@@ -43,7 +43,7 @@ PARTS = {
         {2048: [1, 2, 4, 8, 16], 8192: [1, 2, 4, 8, 16], 16384: [1, 2, 8]},
         ("ar", "loop_ar", "speculative"),
         64,
-        1,
+        2,
         None,
     ),
     "sampling": ({8192: [4]}, ("ar", "loop_ar", "speculative"), 128, 2, {"temperature": 0.8}),
