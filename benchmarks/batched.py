@@ -13,8 +13,7 @@ the same batch, back to back, in an order that rotates with the repeat (`hf_budg
 - `full_draft`: the same loop, the drafter reading its full (ragged) cache.
 
 Parts: the goal cells (8K x B 4 and 8, 16K x B 4; all methods; repeats), the scaling grid (AR, the loop alone and the one-liner),
-sampling at T = 0.8, and `fit` / `fit16` (8K x B 4 and 8; 16K x B 4 with the full-cache draft; for `--text king_john`: text the drafter
-fits). Writes `benchmarks/results/batched_<part>.{json,md}`. Run it alone: a second busy process
+sampling at T = 0.8, and `fit` / `fit16` (8K x B 4 and 8; 16K x B 4; all methods; for `--text king_john`: text the drafter fits). Writes `benchmarks/results/batched_<part>.{json,md}`. Run it alone: a second busy process
 on 2 cores stalls torch's threads.
 """
 
@@ -48,7 +47,7 @@ PARTS = {
     ),
     "sampling": ({8192: [4]}, ("ar", "loop_ar", "speculative"), 128, 2, {"temperature": 0.8}),
     # with --text king_john: the goal cells at 8K on text the drafter fits, to separate acceptance from loop cost
-    "fit": ({8192: [4, 8]}, ("ar", "loop_ar", "speculative"), 128, 2, None),
+    "fit": ({8192: [4, 8]}, BATCH_METHODS, 128, 2, None),
     "fit16": ({16384: [4]}, BATCH_METHODS, 128, 2, None),
 }
 
