@@ -12,9 +12,10 @@ the same batch, back to back, in an order that rotates with the repeat (`hf_budg
   cache_implementation="budgeted")` with every default (budget 512, window 256, adaptive draft length);
 - `full_draft`: the same loop, the drafter reading its full (ragged) cache.
 
-Parts: the goal cells (8K x B 4 and 8, 16K x B 4; all methods; repeats), the scaling grid (AR, the loop alone and the one-liner),
-sampling at T = 0.8, and `fit` / `fit16` (8K x B 4 and 8; 16K x B 4; all methods; for `--text king_john`: text the drafter fits). Writes `benchmarks/results/batched_<part>.{json,md}`. Run it alone: a second busy process
-on 2 cores stalls torch's threads.
+Parts: the goal cells (8K x B 4 and 8, 16K x B 4; all methods; repeats), the scaling grid (AR, the loop alone and
+the one-liner), sampling at T = 0.8, and `fit` / `fit16` (8K x B 4 and 8; 16K x B 4; all methods; for
+`--text king_john`: text the drafter fits). Writes `benchmarks/results/batched_<part>.{json,md}`. Run it alone: a
+second busy process on 2 cores stalls torch's threads.
 """
 
 from __future__ import annotations

@@ -94,8 +94,7 @@ class RowDraftLength:
 
     def expected_tokens(self, rows: torch.Tensor) -> torch.Tensor:
         """`(n, maximum + 1)`: expected tokens row b emits when it drafts γ = 0..maximum."""
-        survive = self.acceptance(rows).cumprod(-1)
-        return torch.cat([torch.ones(len(rows), 1, dtype=survive.dtype), 1 + survive.cumsum(-1)], -1)
+        return _tokens_for(self.acceptance(rows))
 
     def costs(self, rows: int) -> tuple[float, float, float, float]:
         """`(c_ar, s, d_0, d_step)` in seconds for a batch of `rows` rows (relative units before any timing)."""
@@ -184,10 +183,9 @@ class RowDraftLength:
         """Whether drafting `probe_length` in the `due` `(n,)` rows would finish sooner than `gamma` `(n,)` if they
         accepted as well as the best active row (or the prior, if higher): a probe that could not pay even then
         (few tokens left, drafts too dear beside this batch's AR step) is skipped."""
-        tokens = self.expected_tokens(rows)  # (n, M + 1)
-        best = max(self.prior_acceptance, float(self.acceptance(rows)[:, 0].max()))
-        hopeful = 1 + (best ** torch.arange(1, self.maximum + 1, dtype=tokens.dtype)).cumsum(0)
-        tokens[due] = torch.cat([tokens.new_ones(1), hopeful])
+        acceptance = self.acceptance(rows)  # (n, M)
+        acceptance[due] = max(self.prior_acceptance, float(acceptance[:, 0].max()))
+        tokens = _tokens_for(acceptance)
         probing = gamma.clone()
         probing[due] = min(self.probe_length, self.maximum)
         times = self.finish_time(tokens, torch.stack([gamma, probing]), remaining, self.costs(len(rows)))
@@ -223,6 +221,12 @@ class RowDraftLength:
             self.draft.add(float(drafted.max()), draft_seconds)
         else:
             self.ar_measured = True
+
+
+def _tokens_for(acceptance: torch.Tensor) -> torch.Tensor:
+    """`(n, M + 1)` expected tokens a row emits drafting γ = 0..M, from its `(n, M)` acceptance per draft position."""
+    survive = acceptance.cumprod(-1)
+    return torch.cat([torch.ones(len(acceptance), 1, dtype=survive.dtype), 1 + survive.cumsum(-1)], -1)
 
 
 class SharedDraftLength:
