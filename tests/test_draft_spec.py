@@ -11,6 +11,7 @@ from hf_budgetdraft.generation import fast_path
 from hf_budgetdraft.generation.fast_path import resolve_plan
 
 NEW_TOKENS = 24
+LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3", "granite"}  # what the lean draft step can run
 
 
 def plan_for(target, drafter, name="budgeted", cache_config=None, **call):
@@ -47,6 +48,7 @@ def test_spec_defaults_are_visible_and_round_trip():
         ({"num_sink_tokens": 3}, ValueError, "not options of cache_implementation='budgeted'"),
         ({"static": "yes"}, TypeError, "static must be True, False or 'auto'"),
         ({"compile": 1}, TypeError, "compile must be True, False or 'auto'"),
+        ({"lean_step": "yes"}, TypeError, "lean_step must be True, False or 'auto'"),
         ({"draft_length": "fast"}, ValueError, "draft_length must be 'adaptive', 'heuristic' or an int"),
         ({"draft_length": 40}, ValueError, "exceeds the draft cache's rollback slack"),
         ({"max_draft_length": 40}, ValueError, r"max_draft_length=40 must be in \[1, slack=32\]"),
@@ -63,6 +65,7 @@ def test_plan_resolves_the_fast_path_by_default():
     plan = plan_for(target, drafter)
     assert plan.spec.static is True and plan.draft_attention == "budgetdraft_varlen"
     assert plan.target_attention == "budgetdraft_sdpa"
+    assert plan.spec.lean_step is True and plan.lean_step_problem is None
     assert plan.spec.compile is False  # a fresh process has not paid for a compilation yet
     assert plan.spec.draft_length == "adaptive" and plan.draft_length_source == "default"
     assert "static=True" in repr(plan) and "draft_length='adaptive'" in repr(plan)
@@ -74,6 +77,8 @@ def test_plan_resolves_the_fast_path_by_default():
         ({"static": False}, lambda p: p.spec.static is False and p.draft_attention is None),
         ({"fast_verify": False}, lambda p: p.target_attention is None),
         ({"compile": False}, lambda p: p.spec.compile is False),
+        ({"lean_step": False}, lambda p: p.spec.lean_step is False and p.spec.static is True),
+        ({"static": False}, lambda p: p.spec.lean_step is False and p.lean_step_problem is not None),
         ({"draft_length": 5}, lambda p: p.spec.draft_length == 5 and p.draft_length_source == "cache_config"),
         ({"draft_length": "heuristic"}, lambda p: p.spec.draft_length == "heuristic"),
         ({"draft_length": 0}, lambda p: p.spec.draft_length == 0),
@@ -123,14 +128,17 @@ def test_families_without_kwargs_to_the_cache_stay_dynamic():
     assert plan_for(target, drafter).target_attention is None  # and so do eager targets
 
 
-def test_compile_is_rented_before_it_is_bought(monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_compile_is_rented_before_it_is_bought(monkeypatch, lean):
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     monkeypatch.setitem(fast_path.COMPILE_SECONDS_ESTIMATE, "cpu", 1.0)
-    assert plan_for(target, drafter).spec.compile is False
-    fast_path.record_eager_steps(drafter, 1.5)  # saves 0.75 s of a 1 s compilation: not yet
-    assert plan_for(target, drafter).spec.compile is False
-    fast_path.record_eager_steps(drafter, 0.6)
-    assert plan_for(target, drafter).spec.compile is True
+    options = {"lean_step": lean}
+    assert plan_for(target, drafter, cache_config=options).spec.compile is False
+    saving = fast_path.COMPILED_STEP_SAVING["lean" if lean else "eager"]  # a lean step leaves less to save
+    fast_path.record_eager_steps(drafter, 0.9 / saving)  # saves 0.9 s of a 1 s compilation: not yet
+    assert plan_for(target, drafter, cache_config=options).spec.compile is False
+    fast_path.record_eager_steps(drafter, 0.2 / saving)
+    assert plan_for(target, drafter, cache_config=options).spec.compile is True
     assert plan_for(target, drafter, cache_config={"compile": False}).spec.compile is False
     assert plan_for(target, drafter, disable_compile=True).spec.compile is False
 
@@ -172,5 +180,6 @@ def test_one_liner_with_every_default_is_lossless(family, name, cache_config):
     assert torch.equal(out, expected), f"first diff at {(out != expected).nonzero()[:1].tolist()}"
     assert stats.draft_length_policy == "adaptive"
     assert stats.plan.spec.static is (attention == "sdpa" and family != "gpt_neox")
+    assert stats.plan.spec.lean_step is (stats.plan.spec.static and family in LLAMA_LAYOUT)
     assert sum(stats.proposed_per_round) > 0
     assert (target.config._attn_implementation, drafter.config._attn_implementation) == (attention, attention)

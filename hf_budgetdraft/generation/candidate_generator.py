@@ -20,6 +20,7 @@ from .draft_length import (
     RoundClock,
 )
 from .fast_path import DraftPlan, record_eager_steps
+from .lean_step import LeanDraftStep, same_logits
 
 logger = logging.get_logger(__name__)
 
@@ -76,6 +77,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             assistant_model.get_compiled_call(plan.compile_config) if self._compiled else assistant_model
         )
         self._compile_checked = False
+        self._lean = LeanDraftStep(assistant_model) if plan.spec.lean_step else None
+        self._lean_checked = False
         self.draft_prefill_seconds = 0.0
 
     # -- a round -------------------------------------------------------------------------------------------------
@@ -116,6 +119,9 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         """Next-token logits `(1, V)` after feeding `feed` `(1, n)` at positions `past..past + n - 1`
         (`prefill`: the draft cache was empty; the drafter's prefill is timed)."""
         one_token = feed.shape[1] == 1 and not padded
+        lean = self._lean is not None and feed.shape[1] <= self.plan.spec.slack
+        if lean and not (prefill or padded or (one_token and self._compiled)):
+            return self._lean_forward(feed, past)
         forward = self._draft_step if one_token else self.assistant_model
         start = time.perf_counter() if prefill else 0.0
         window = self.plan.spec.prefill_window
@@ -143,6 +149,27 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             _synchronize(feed.device)
             self.draft_prefill_seconds += time.perf_counter() - start
         return logits.float()
+
+    def _lean_forward(self, feed: torch.LongTensor, past: int) -> torch.Tensor:
+        """`_forward` through the lean step. Its first block in a call also runs the drafter's own forward (after
+        rolling the lean step's write back) and keeps drafting lean only if both gave the same logits."""
+        positions = torch.arange(past, past + feed.shape[1], device=feed.device)[None]
+        logits = self._lean(feed, positions, self.draft_cache)
+        if self._lean_checked:
+            return logits.float()
+        self._lean_checked = True
+        self.draft_cache.crop(-feed.shape[1])
+        reference = self.assistant_model(
+            input_ids=feed, position_ids=positions, cache=self.draft_cache, use_cache=True, logits_to_keep=1
+        ).logits[:, -1, :]
+        if not same_logits(logits, reference):
+            logger.warning_once(
+                f"the lean draft step and {type(self.assistant_model).__name__}'s own forward disagree (largest "
+                f"logit difference {float((logits - reference).abs().max()):.3g}); drafting with the drafter's "
+                "forward. Pass cache_config={'lean_step': False} to skip the check"
+            )
+            self._lean = None
+        return reference.float()
 
     def _windowed_prefill(self, prompt: torch.LongTensor, window: int) -> torch.Tensor:
         """Prefill the drafter in windowed chunks (`cache/windowed_prefill.py`), then fill the draft cache with the
@@ -185,8 +212,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         Greedy: the argmax of the processed logits. Sampling: a token drawn from the processed distribution (the
         call's temperature / top-k / top-p processors), whose logits are returned for the acceptance test
         (Leviathan et al., arXiv 2211.17192, Algorithm 1). EOS is suppressed for the first `min_new_tokens`; a
-        round stops after EOS or below the plan's confidence threshold. One-token steps without padding run
-        `self._draft_step` (compiled when the plan says so).
+        round stops after EOS or below the plan's confidence threshold. Blocks of up to `slack` tokens without
+        padding run the lean step when the plan says so, one-token steps the compiled step when it says so.
 
         Returns `(candidate_ids (1, L + n), candidate_logits (1, n, V))`, `1 <= n <= max_new_tokens`.
         """

@@ -4,6 +4,8 @@ What the defaults turn on, and when:
 
 - **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
   travels that way); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+- **lean draft steps** (`lean_step`) with a static cache, where the drafter has Llama's layout: the steps run straight
+  on its weights, without transformers' per-module Python (`lean_step.py`);
 - **compiled one-token draft step** (`draft_step_compile_config`, or the drafter's own
   `generation_config.compile_config`, which also means "compile now") once it pays: a compilation costs seconds to
   tens of seconds on CPU, a step saves a fraction of a millisecond, so `"auto"` rents before it buys (ski rental):
@@ -33,6 +35,7 @@ from transformers import CompileConfig, GenerationConfig
 
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.varlen import NAME as VARLEN
+from .lean_step import lean_step_problem
 from .spec import AUTO, DraftSpec
 
 SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
@@ -40,7 +43,9 @@ COMPILE_SECONDS_ESTIMATE = {
     "cpu": 45.0,
     "cuda": 60.0,
 }  # a cold inductor compilation of a small drafter's step
-COMPILED_STEP_SAVING = 0.5  # share of an eager static step a compiled one saves
+# share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step (on CPU; on CUDA
+# the compiled step's CUDA graph also removes the kernel launches a lean step keeps, so it counts as eager there)
+COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.2}
 _eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -79,16 +84,17 @@ def record_eager_steps(drafter, seconds: float) -> None:
     _eager_step_seconds[drafter] = _eager_step_seconds.get(drafter, 0.0) + seconds
 
 
-def compile_pays(drafter, compile_config: CompileConfig) -> bool:
-    """A step compiled earlier in this process is reused; otherwise compile once the eager steps spent so far
-    would have paid for the compilation."""
+def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> bool:
+    """A step compiled earlier in this process is reused; otherwise compile once the uncompiled steps spent so far
+    (`lean`: lean steps) would have paid for the compilation."""
     if (
         getattr(drafter, "_compiled_call", None) is not None
         and drafter._last_compile_config == compile_config
     ):
         return True
     budget = COMPILE_SECONDS_ESTIMATE["cuda" if drafter.device.type == "cuda" else "cpu"]
-    return _eager_step_seconds.get(drafter, 0.0) * COMPILED_STEP_SAVING >= budget
+    saving = COMPILED_STEP_SAVING["lean" if lean and drafter.device.type != "cuda" else "eager"]
+    return _eager_step_seconds.get(drafter, 0.0) * saving >= budget
 
 
 def verify_attention(target, fast_verify: bool) -> str | None:
@@ -105,9 +111,10 @@ class DraftPlan:
     """A `DraftSpec` resolved for one call: every `"auto"` decided, the draft-length source named.
 
     Attributes:
-        spec (`DraftSpec`): the spec with `static` / `compile` resolved to bools and `draft_length` to the policy
-            that runs (`"adaptive"`, `"heuristic"` or an int).
+        spec (`DraftSpec`): the spec with `static` / `lean_step` / `compile` resolved to bools and `draft_length` to
+            the policy that runs (`"adaptive"`, `"heuristic"` or an int).
         draft_length_source (`str`): where the draft length came from.
+        lean_step_problem (`str`, *optional*): why `"auto"` left the lean step off for this drafter.
         confidence_threshold (`float`): a round's draft stops at a token the drafter gives less probability (0: off).
         heuristic_start (`int`): the first round's length under the `"heuristic"` schedule.
         draft_attention (`str`, *optional*): attention set on the drafter for the call (`None`: untouched).
@@ -117,6 +124,7 @@ class DraftPlan:
 
     spec: DraftSpec
     draft_length_source: str = "default"
+    lean_step_problem: str | None = None
     confidence_threshold: float = 0.0
     heuristic_start: int = 16
     draft_attention: str | None = None
@@ -182,19 +190,33 @@ def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[
     return spec.draft_length, "default", threshold, start
 
 
+def _lean_step(asked: bool | str, static: bool, drafter) -> tuple[bool, str | None]:
+    """`(lean step on, why not)` for a call: `"auto"` turns it on with a static cache and a drafter it can run."""
+    if asked is False:
+        return False, None
+    problem = None if static else "the draft cache is not static"
+    problem = problem or lean_step_problem(drafter)
+    if asked is True and problem is not None:
+        raise ValueError(
+            f"lean_step=True, but {problem}; drop lean_step (or set it to 'auto') to draft with the drafter's own "
+            "forward"
+        )
+    return problem is None, problem
+
+
 def resolve_plan(
     spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig, batched: bool = False
 ) -> DraftPlan:
     """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
-    several rows, whose draft caches are the ragged ones: never static, never compiled)."""
+    several rows, whose draft caches are the ragged ones: never static, lean or compiled)."""
     spec = spec.replace(prefill_window=spec.resolved_prefill_window(drafter.config, batched))
     if batched:
-        if spec.static is True or spec.compile is True:
+        if True in (spec.static, spec.lean_step, spec.compile):
             raise ValueError(
-                "static=True / compile=True are single-sequence fast paths; a batch drafts on ragged per-row caches. "
-                "Drop them from cache_config for batched calls"
+                "static=True / lean_step=True / compile=True are single-sequence fast paths; a batch drafts on ragged "
+                "per-row caches. Drop them from cache_config for batched calls"
             )
-        spec = spec.replace(static=False, compile=False)
+        spec = spec.replace(static=False, lean_step=False, compile=False)
     can_be_static = supports_static_cache(drafter)
     static = spec.static
     if static == AUTO:
@@ -204,6 +226,7 @@ def resolve_plan(
             f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
             f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
         )
+    lean, lean_problem = _lean_step(spec.lean_step, static, drafter)
     # an explicit compile config on the drafter means "compile"
     asked = drafter.generation_config.compile_config
     compile_config = asked or draft_step_compile_config(drafter.device)
@@ -215,13 +238,14 @@ def resolve_plan(
     if call.disable_compile or not static:
         compiled = False
     elif compiled == AUTO:
-        compiled = compile_pays(drafter, compile_config)
+        compiled = compile_pays(drafter, compile_config, lean)
     length, source, threshold, start = _draft_length(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
     return DraftPlan(
-        spec=spec.replace(static=static, compile=compiled, draft_length=length),
+        spec=spec.replace(static=static, lean_step=lean, compile=compiled, draft_length=length),
         draft_length_source=source,
+        lean_step_problem=lean_problem,
         confidence_threshold=threshold,
         heuristic_start=start,
         draft_attention=VARLEN if static else None,

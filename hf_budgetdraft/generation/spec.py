@@ -7,6 +7,7 @@ point shares one set of defaults. The defaults are the fast path: a static draft
 length chosen online from the call's own costs and acceptance. Every automatic choice has an off switch:
 
     cache_config={"static": False}        # dynamic draft cache, drafter attention untouched
+    cache_config={"lean_step": False}     # draft steps through the drafter's own forward, not its weights directly
     cache_config={"compile": False}       # never torch.compile the one-token draft step ("auto": when it pays)
     cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
     cache_config={"fast_verify": False}   # the target keeps the attention it was loaded with
@@ -45,7 +46,7 @@ _DEFAULT_WINDOW = {
     name: next(p.default for p in params if p.name == "window_length")
     for name, params in _CACHE_PARAMETERS.items()
 }
-_RUN_OPTIONS = ("compile", "draft_length", "max_draft_length", "fast_verify", "prefill_window")
+_RUN_OPTIONS = ("lean_step", "compile", "draft_length", "max_draft_length", "fast_verify", "prefill_window")
 MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
 MAX_PREFILL_WINDOW = 1 << 20
 DEFAULT_PREFILL_WINDOW = 1024
@@ -72,6 +73,10 @@ class DraftSpec:
         slack (`int`, defaults to 32): the longest draft round the cache can roll back.
         static (`bool` or `"auto"`): fixed slot buffers read by `budgetdraft_varlen`; `"auto"` = where the
             drafter's attention layers hand their kwargs to the cache (most families; not GPT-NeoX, Falcon).
+        lean_step (`bool` or `"auto"`): run the static cache's draft steps (blocks of up to `slack` tokens) straight
+            on the drafter's weights, without transformers' per-module Python (`generation/lean_step.py`); `"auto"` =
+            for a static cache and a drafter of Llama's layout (Llama, Qwen2, Qwen3, ...), checked against the
+            drafter's own forward on the first step of each call.
         compile (`bool` or `"auto"`): `torch.compile` the static cache's one-token draft step; `"auto"` = once this
             process has drafted enough eager steps to pay for the compilation (see `compile_policy`).
         draft_length (`int` or `str`, defaults to `"adaptive"`): tokens drafted per round: `"adaptive"` (chosen each
@@ -99,6 +104,7 @@ class DraftSpec:
     window_length: int | None = None
     slack: int = 32
     static: bool | str = AUTO
+    lean_step: bool | str = AUTO
     compile: bool | str = AUTO
     draft_length: int | str = "adaptive"
     max_draft_length: int | None = None
@@ -111,6 +117,7 @@ class DraftSpec:
         if self.window_length is None:
             object.__setattr__(self, "window_length", _DEFAULT_WINDOW[self.cache])
         _check_switch("static", self.static)
+        _check_switch("lean_step", self.lean_step)
         _check_switch("compile", self.compile)
         if not isinstance(self.fast_verify, bool):
             raise TypeError(f"fast_verify must be a bool, got {self.fast_verify!r}")
