@@ -127,3 +127,33 @@ def test_fixed_and_heuristic_schedules():
     assert heuristic.next_length() == 8
     with pytest.raises(ValueError, match="maximum"):
         AdaptiveDraftLength(maximum=0)
+
+
+def test_the_first_drafting_round_is_not_fitted_and_an_ar_step_follows_it():
+    policy = AdaptiveDraftLength(maximum=8)
+    policy.update(2, 2, 5.0, 50.0)  # round 1: the prefills
+    assert policy.next_length() > 0  # round 2 drafts on the priors...
+    policy.update(5, 0, 10.0, 30.0)  # ...every path cold: slow, not fitted
+    assert policy.verify.count == 0 and policy.draft_per_token is None
+    assert policy.next_length() == 0  # round 3 measures the AR step drafting competes with
+
+
+def test_one_stall_does_not_keep_a_paying_drafter_off():
+    """A drafting round that stalls (100x its draft time, 50x its verification) is one sample among many: the
+    draft cost is a median and a verification counts for at most γ + 1 AR steps, so drafting resumes."""
+    acceptance, draft_step = 0.8, 0.05
+    rng, policy, chosen, stalled = random.Random(2), AdaptiveDraftLength(maximum=16), [], False
+    for round_index in range(300):
+        gamma = policy.next_length()
+        chosen.append(gamma)
+        accepted = 0
+        while accepted < gamma and rng.random() < acceptance:
+            accepted += 1
+        draft, verify = draft_step * gamma, (1.0 + 0.05 * gamma) if gamma else 1.0
+        if gamma and round_index > 10 and not stalled:
+            draft, verify, stalled = 100 * draft, 50 * verify, True
+        policy.update(gamma, accepted, draft, verify)
+    assert stalled and chosen[-100:].count(0) <= 5
+    optimum = best_length(acceptance, 1.0, 0.05, draft_step, 16)
+    late = [rate(g, acceptance, 1.0, 0.05, draft_step) for g in chosen[-100:]]
+    assert sum(late) / len(late) >= 0.95 * rate(optimum, acceptance, 1.0, 0.05, draft_step)

@@ -12,6 +12,7 @@ with low acceptance, sampling at a high temperature — falls back to AR instead
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -100,11 +101,14 @@ class AdaptiveDraftLength(DraftLength):
 
     Acceptance per draft position has a Beta prior (mean `prior_acceptance`, weight `prior_weight` rounds), pooled
     towards the call's overall acceptance so positions rarely reached borrow strength; costs start from prior
-    ratios to the verification step and are replaced by this call's timings after its first round (which holds
-    both prefills and is never fitted). Estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
+    ratios to the verification step and are replaced by this call's timings: the first round holds both prefills
+    and the second runs each draft and verify path for the first time, so neither is fitted, and the third is a
+    plain AR step. Timing noise only adds time, and one stall (a page-fault storm, another process) must not keep
+    a paying drafter off: the draft cost is the median of the last `cost_samples` rounds, a verification is
+    counted at no more than `γ + 1` AR steps, and estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
     drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once drafting pays again) so a drafter
     that improves later (the text changes) is taken back. The third round (the first after a timed drafting round)
-    is always a plain AR step, so the cost drafting competes with is measured; it is measured again after
+    is always a plain AR step, so the cost drafting competes with is measured; that is measured again after
     `remeasure_after` drafting rounds in a row (32, then 64, ... 256), and the AR cost is the least of the last
     `ar_samples` measurements (timing noise only adds time): one slow early measurement must not keep a losing
     policy drafting.
@@ -117,6 +121,7 @@ class AdaptiveDraftLength(DraftLength):
         switch_margin (`float`): drafting must be predicted to beat the AR step by this fraction, so noise in the
             estimates does not buy rounds that lose.
         ar_samples (`int`): AR-step measurements the cost estimate keeps.
+        cost_samples (`int`): drafting rounds the draft-cost median is taken over.
     """
 
     maximum: int
@@ -127,6 +132,7 @@ class AdaptiveDraftLength(DraftLength):
     decay: float = 0.97
     switch_margin: float = 0.05
     ar_samples: int = 8
+    cost_samples: int = 8
     name = "adaptive"
 
     def __post_init__(self):
@@ -136,7 +142,7 @@ class AdaptiveDraftLength(DraftLength):
         self.reached = [0.0] * self.maximum
         self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)  # rounds that drafted
         self.ar_times: list[float] = []  # rounds that did not: the target's plain one-token step
-        self.draft_per_token: float | None = None
+        self.draft_times: list[float] = []  # per drafted token, recent drafting rounds
         self.rounds = 0
         self.ar_rounds_in_a_row = 0
         self.drafting_rounds_in_a_row = 0
@@ -147,6 +153,11 @@ class AdaptiveDraftLength(DraftLength):
     def ar_step(self) -> float | None:
         """The plain AR step's cost: the least of its recent measurements (`None` before the first)."""
         return min(self.ar_times) if self.ar_times else None
+
+    @property
+    def draft_per_token(self) -> float | None:
+        """One draft step's cost: the median over recent drafting rounds (`None` before the first fitted one)."""
+        return statistics.median(self.draft_times) if self.draft_times else None
 
     # -- estimates -----------------------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -186,7 +197,7 @@ class AdaptiveDraftLength(DraftLength):
 
     # -- policy --------------------------------------------------------------------------------------------------
     def next_length(self) -> int:
-        if self.ar_step is None and self.verify.count > 0:
+        if self.ar_step is None and self.rounds >= 2:
             return (
                 0  # one plain AR step early on: what drafting is compared with must be measured, not assumed
             )
@@ -223,10 +234,10 @@ class AdaptiveDraftLength(DraftLength):
         if not drafted:
             self.ar_times = [*self.ar_times, verify_seconds][-self.ar_samples :]
             return
-        self.verify.add(float(drafted), verify_seconds)
-        per_token = draft_seconds / drafted
-        previous = self.draft_per_token
-        self.draft_per_token = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+        if self.ar_step is None:
+            return  # the first drafting round runs every path cold; the AR step it needs is not measured yet
+        self.verify.add(float(drafted), min(verify_seconds, (drafted + 1) * self.ar_step))
+        self.draft_times = [*self.draft_times, draft_seconds / drafted][-self.cost_samples :]
 
 
 class RoundClock:
