@@ -11,6 +11,7 @@ saw), and the bundled held-out play (King John). Rows:
 - `ar_stock`: `target.generate(ids)` on transformers' own `sdpa` and `DynamicCache`: the greedy reference;
 - `ar_fast`: the target on `budgetdraft_sdpa` with a `GrowableCache` (the fastest plain AR here);
 - `oneliner`: `target.generate(ids, assistant_model=drafter, cache_implementation="budgeted")` and nothing else;
+- `eager_step`: the one-liner drafting through the drafter's own forward (`cache_config={"lean_step": False}`);
 - `gamma4`, `gamma6`, `heuristic`: the same call with `cache_config={"draft_length": ...}` (every other default);
 - `oneliner+compile`, `gamma6+compile`: with `cache_config={"compile": True}` (the step compiled once, before
   timing; `gamma6+compile` is the hand-tuned setting: static cache, varlen drafter, compiled step, fast target);
@@ -58,6 +59,7 @@ ROWS = {
     "ar_stock": (None, "stock", None),
     "ar_fast": (None, "fast", None),
     "oneliner": ({}, None, None),
+    "eager_step": ({"lean_step": False}, None, None),
     "gamma4": ({"draft_length": 4}, None, None),
     "gamma6": ({"draft_length": 6}, None, None),
     "heuristic": ({"draft_length": "heuristic"}, None, None),
