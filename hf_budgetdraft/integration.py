@@ -5,7 +5,8 @@
 
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
-  static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa`; both restored after.
+  static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa` and (float32 on CPU) on
+  few-row linear layers; all restored after.
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
@@ -42,6 +43,7 @@ from .attention.query_capture import register as register_query_capture
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
+from .few_row_linear import few_row_linears
 from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
@@ -201,7 +203,7 @@ def _assisted_decoding(self, *args, **kwargs):
         )
     if sparse and generation_config.use_mtp:  # windowed MTP: the target verifies as with assistant_model=
         fast_verify = mtp_fast_verify(generation_config.cache_config)
-        with using_attention(self, verify_attention(self, fast_verify)):
+        with using_attention(self, verify_attention(self, fast_verify)), few_row_linears(self, fast_verify):
             return _originals["_assisted_decoding"](self, *args, **kwargs)
     if not sparse or builtin_draft:
         return _originals["_assisted_decoding"](self, *args, **kwargs)

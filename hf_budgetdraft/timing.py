@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from .attention.fast_sdpa import NAME as FAST_SDPA
 from .cache.base import cache_nbytes
 from .cache.growable import GrowableCache
+from .few_row_linear import few_row_linears
 from .generation.fast_path import draft_step_compile_config, using_attention
 from .generation.spec import DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
@@ -201,14 +202,17 @@ def ar_setup(target, setup: str | None, capacity: int) -> Iterator[dict]:
     `setup=None`: the target as loaded, on transformers' default cache (the reference every speculative call must
     reproduce); `"stock"`: transformers' own `sdpa` attention (restored after); `"growable"`: a `GrowableCache` of
     `capacity` tokens (in-place appends); `"fast"`: both `budgetdraft_sdpa` and a `GrowableCache`, the fastest plain
-    AR this package has.
+    AR this package has (with few-row linear layers for a float32 target on CPU, `few_row_linear.py`).
     """
     if setup is not None and setup not in AR_SETUPS:
         raise ValueError(f"setup must be None or one of {AR_SETUPS}, got {setup!r}")
     kwargs = {}
     if setup in ("growable", "fast"):
         kwargs["cache"] = GrowableCache(config=target.config, initial_capacity=capacity)
-    with using_attention(target, {"stock": "sdpa", "fast": FAST_SDPA}.get(setup)):
+    with (
+        using_attention(target, {"stock": "sdpa", "fast": FAST_SDPA}.get(setup)),
+        few_row_linears(target, setup == "fast"),
+    ):
         yield kwargs
 
 

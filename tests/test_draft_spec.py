@@ -64,7 +64,7 @@ def test_plan_resolves_the_fast_path_by_default():
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     plan = plan_for(target, drafter)
     assert plan.spec.static is True and plan.draft_attention == "budgetdraft_varlen"
-    assert plan.target_attention == "budgetdraft_sdpa"
+    assert plan.target_attention == "budgetdraft_sdpa" and plan.target_linear is True
     assert plan.spec.lean_step is True and plan.lean_step_problem is None
     assert plan.spec.compile is False  # a fresh process has not paid for a compilation yet
     assert plan.spec.draft_length == "adaptive" and plan.draft_length_source == "default"
@@ -75,7 +75,7 @@ def test_plan_resolves_the_fast_path_by_default():
     "cache_config,check",
     [
         ({"static": False}, lambda p: p.spec.static is False and p.draft_attention is None),
-        ({"fast_verify": False}, lambda p: p.target_attention is None),
+        ({"fast_verify": False}, lambda p: p.target_attention is None and p.target_linear is False),
         ({"compile": False}, lambda p: p.spec.compile is False),
         ({"lean_step": False}, lambda p: p.spec.lean_step is False and p.spec.static is True),
         ({"static": False}, lambda p: p.spec.lean_step is False and p.lean_step_problem is not None),
@@ -183,3 +183,4 @@ def test_one_liner_with_every_default_is_lossless(family, name, cache_config):
     assert stats.plan.spec.lean_step is (stats.plan.spec.static and family in LLAMA_LAYOUT)
     assert sum(stats.proposed_per_round) > 0
     assert (target.config._attn_implementation, drafter.config._attn_implementation) == (attention, attention)
+    assert not any("forward" in m.__dict__ for m in target.modules())  # the few-row linear layers are gone

@@ -98,7 +98,10 @@ class _DraftFlags:
     )
     fast_verify: bool = field(
         default=True,
-        metadata={"help": "Verify on budgetdraft_sdpa when the target runs sdpa (same results)."},
+        metadata={
+            "help": "Verify on budgetdraft_sdpa when the target runs sdpa, and (float32 on CPU) on few-row linear "
+            "layers (same results to float rounding)."
+        },
     )
     assistant_confidence_threshold: float | None = field(
         default=None,

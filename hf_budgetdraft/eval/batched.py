@@ -24,6 +24,7 @@ import torch
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
+from ..few_row_linear import few_row_linears
 from ..generation.batched import full_draft_cache
 from ..generation.fast_path import using_attention
 from ..generation.stats import SpeculationStats, record_speculation
@@ -71,10 +72,10 @@ def _kwargs(new_tokens: int, sampling: dict | None) -> dict:
 
 @torch.inference_mode()
 def run_batch_ar(target, ids, mask, new_tokens: int, sampling: dict | None = None) -> BatchRun:
-    """Batched AR on the fast target (`budgetdraft_sdpa` + `GrowableCache`)."""
+    """Batched AR on the fast target (`budgetdraft_sdpa` + `GrowableCache` + few-row linear layers)."""
     cache = GrowableCache(config=target.config, initial_capacity=ids.shape[1] + new_tokens)
     streamer = _TimingStreamer()
-    with using_attention(target, FAST_SDPA):
+    with using_attention(target, FAST_SDPA), few_row_linears(target):
         start = time.perf_counter()
         out = target.generate(
             ids, attention_mask=mask, cache=cache, streamer=streamer, **_kwargs(new_tokens, sampling)

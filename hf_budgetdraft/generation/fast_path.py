@@ -12,7 +12,8 @@ What the defaults turn on, and when:
   it compiles when this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager
   static draft steps of that drafter, and reuses a step compiled earlier in the process at once;
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
-  KV copies; logits agree to float rounding);
+  KV copies), and a float32 target on CPU runs its linear layers as few-row GEMMs on every thread
+  (`few_row_linear.py`); logits agree to float rounding;
 - **windowed draft prefill** (`prefill_window`, 1024) for a single sequence and a full-attention drafter whose
   policy does not score the prefix with the prefill's queries;
 - **draft length**: explicit settings first (`cache_config["draft_length"]`, then `num_assistant_tokens` /
@@ -35,6 +36,7 @@ from transformers import CompileConfig, GenerationConfig
 
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.varlen import NAME as VARLEN
+from ..few_row_linear import few_row_linear_applies, few_row_linears
 from .lean_step import lean_step_problem
 from .spec import AUTO, DraftSpec
 
@@ -119,6 +121,7 @@ class DraftPlan:
         heuristic_start (`int`): the first round's length under the `"heuristic"` schedule.
         draft_attention (`str`, *optional*): attention set on the drafter for the call (`None`: untouched).
         target_attention (`str`, *optional*): attention set on the target for the call (`None`: untouched).
+        target_linear (`bool`): the target's linear layers run `few_row_linear` for the call.
         compile_config (`CompileConfig`, *optional*): how the one-token draft step compiles, when it does.
     """
 
@@ -129,12 +132,18 @@ class DraftPlan:
     heuristic_start: int = 16
     draft_attention: str | None = None
     target_attention: str | None = None
+    target_linear: bool = False
     compile_config: CompileConfig | None = None
 
     @contextlib.contextmanager
     def applied(self, target, drafter) -> Iterator[None]:
-        """Set the plan's attention implementations on the two models; restore them on exit."""
-        with using_attention(target, self.target_attention), using_attention(drafter, self.draft_attention):
+        """Set the plan's attention implementations (and the target's linear layers) on the two models; restore them
+        on exit."""
+        with (
+            using_attention(target, self.target_attention),
+            using_attention(drafter, self.draft_attention),
+            few_row_linears(target, self.target_linear),
+        ):
             yield
 
 
@@ -250,5 +259,6 @@ def resolve_plan(
         heuristic_start=start,
         draft_attention=VARLEN if static else None,
         target_attention=verify_attention(target, spec.fast_verify),
+        target_linear=spec.fast_verify and few_row_linear_applies(target),
         compile_config=compile_config if compiled else None,
     )

@@ -83,7 +83,7 @@ def mtp_draft_length(cache_config: dict | None, num_mtp_layers: int) -> DraftLen
 
 def mtp_fast_verify(cache_config: dict | None) -> bool:
     """`cache_config["fast_verify"]` (default True): the target of a windowed-MTP call verifies on
-    `budgetdraft_sdpa` with a `GrowableCache`, as with `assistant_model=`."""
+    `budgetdraft_sdpa` with a `GrowableCache` and few-row linear layers, as with `assistant_model=`."""
     fast_verify = (cache_config or {}).get("fast_verify", True)
     if not isinstance(fast_verify, bool):
         raise TypeError(f"fast_verify must be a bool, got {fast_verify!r}")

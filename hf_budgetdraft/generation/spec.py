@@ -3,14 +3,15 @@
 `generate(ids, assistant_model=drafter, cache_implementation=NAME, cache_config={...})` builds a `DraftSpec` from
 `NAME` and `cache_config`; the CLI, the bench, the app and the GPU check build theirs the same way, so every entry
 point shares one set of defaults. The defaults are the fast path: a static draft cache read by
-`budgetdraft_varlen` where the drafter's layers allow it, the target verifying on `budgetdraft_sdpa`, and a draft
+`budgetdraft_varlen` where the drafter's layers allow it, the target verifying on `budgetdraft_sdpa` (and few-row
+linear layers on CPU), and a draft
 length chosen online from the call's own costs and acceptance. Every automatic choice has an off switch:
 
     cache_config={"static": False}        # dynamic draft cache, drafter attention untouched
     cache_config={"lean_step": False}     # draft steps through the drafter's own forward, not its weights directly
     cache_config={"compile": False}       # never torch.compile the one-token draft step ("auto": when it pays)
     cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
-    cache_config={"fast_verify": False}   # the target keeps the attention it was loaded with
+    cache_config={"fast_verify": False}   # the target keeps the attention and linear layers it was loaded with
     cache_config={"prefill_window": None} # the drafter prefills with full attention ("auto": 1024-token chunks)
 
 The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
@@ -84,8 +85,9 @@ class DraftSpec:
             (transformers' schedule), or a fixed int. `num_assistant_tokens=` passed to `generate()` sets a fixed γ.
         max_draft_length (`int`, *optional*): the most an adaptive or heuristic round drafts (<= `slack`;
             default `min(16, slack)`).
-        fast_verify (`bool`, defaults to `True`): a target loaded with `sdpa` verifies on `budgetdraft_sdpa` for
-            the call (same results, no KV copies; restored after).
+        fast_verify (`bool`, defaults to `True`): for the call, a target loaded with `sdpa` verifies on
+            `budgetdraft_sdpa` (no KV copies) and a float32 target on CPU runs its linear layers as few-row GEMMs
+            on every thread (`few_row_linear.py`); results agree to float rounding; restored after.
         prefill_window (`int`, `None` or `"auto"`): the drafter prefills a prompt longer than this in chunks of
             this many tokens, each reading the `num_sink_tokens` sink and the `prefill_window` tokens before it
             (`cache/windowed_prefill.py`): O(L·W) instead of O(L²). Its keys beyond the first layer then differ

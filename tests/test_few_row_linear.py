@@ -1,0 +1,91 @@
+"""`few_row_linear`: `F.linear`'s result (to float rounding) for a decode step's few rows, `F.linear` itself beyond
+`MAX_ROWS` and under autograd, and swapped in only for the block it is asked for."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import model_pair, random_prompt
+from torch import nn
+
+from hf_budgetdraft import record_speculation
+from hf_budgetdraft.few_row_linear import MAX_ROWS, few_row_linear, few_row_linear_applies, few_row_linears
+from hf_budgetdraft.timing import ar_setup
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 7), (3, 5), (1, MAX_ROWS), (MAX_ROWS,)])
+def test_matches_f_linear_for_few_rows(bias, shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(*shape, 96)
+    with torch.no_grad():
+        out = few_row_linear(layer, x)
+        expected = F.linear(x, layer.weight, layer.bias)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_more_rows_and_autograd_run_f_linear_itself():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 48)
+    many = torch.randn(1, MAX_ROWS + 1, 32)
+    with torch.no_grad():
+        assert torch.equal(few_row_linear(layer, many), F.linear(many, layer.weight, layer.bias))
+    few = torch.randn(1, 3, 32)
+    out = few_row_linear(layer, few)  # the weight requires grad: training keeps its own path
+    assert torch.equal(out, F.linear(few, layer.weight, layer.bias))
+    out.sum().backward()
+    assert layer.weight.grad is not None
+
+
+def _is_few_row(module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is few_row_linear
+
+
+def _swapped(model) -> bool:
+    return any(_is_few_row(m) for m in model.modules())
+
+
+class _OwnLinear(nn.Linear):
+    pass
+
+
+def test_swaps_plain_float32_cpu_linears_for_the_block_only():
+    custom = nn.Linear(8, 8)
+    custom.forward = lambda x: x  # an instance forward set by someone else is left alone
+    model = nn.Sequential(nn.Linear(8, 8), _OwnLinear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), custom)
+    with few_row_linears(model):
+        patched = [_is_few_row(m) for m in model]
+    assert patched == [True, False, False, False]
+    assert [("forward" in m.__dict__) for m in model] == [False, False, False, True]
+    with pytest.raises(RuntimeError, match="boom"), few_row_linears(model):
+        raise RuntimeError("boom")
+    assert "forward" not in model[0].__dict__
+    with few_row_linears(model, enabled=False):
+        assert "forward" not in model[0].__dict__
+    assert few_row_linear_applies(model) and not few_row_linear_applies(nn.Sequential(_OwnLinear(8, 8)))
+
+
+def test_the_fast_ar_setup_and_the_one_liner_use_it_and_restore_it():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    seen = []
+    hook = target.model.layers[0].mlp.register_forward_hook(lambda *_: seen.append(_swapped(target)))
+    ids = random_prompt(300)
+    with ar_setup(target, "fast", 400) as kwargs:
+        fast = target.generate(ids, do_sample=False, max_new_tokens=8, **kwargs)
+    assert seen and all(seen) and not _swapped(target)
+    seen.clear()
+    with ar_setup(target, "stock", 400) as kwargs:
+        stock = target.generate(ids, do_sample=False, max_new_tokens=8, **kwargs)
+    assert seen and not any(seen) and torch.equal(fast, stock)
+    seen.clear()
+    for fast_verify in (True, False):
+        with record_speculation() as stats:
+            target.generate(
+                ids, assistant_model=drafter, max_new_tokens=8, cache_implementation="budgeted",
+                cache_config={"budget": 64, "fast_verify": fast_verify},
+            )  # fmt: skip
+        assert stats.plan.target_linear is fast_verify and all(s is fast_verify for s in seen)
+        assert not _swapped(target) and not _swapped(drafter)
+        seen.clear()
+    hook.remove()
