@@ -9,7 +9,8 @@ outside the training corpus (the licence texts Debian ships in /usr/share/common
 saw), and the bundled held-out play (King John). Rows:
 
 - `ar_stock`: `target.generate(ids)` on transformers' own `sdpa` and `DynamicCache`: the greedy reference;
-- `ar_fast`: the target on `budgetdraft_sdpa` with a `GrowableCache` (the fastest plain AR here);
+- `ar_fast`: the target on `budgetdraft_sdpa` with a `GrowableCache` and few-row linear layers (the fastest plain
+  AR here);
 - `oneliner`: `target.generate(ids, assistant_model=drafter, cache_implementation="budgeted")` and nothing else;
 - `eager_step`: the one-liner drafting through the drafter's own forward (`cache_config={"lean_step": False}`);
 - `gamma4`, `gamma6`, `heuristic`: the same call with `cache_config={"draft_length": ...}` (every other default);
@@ -19,6 +20,8 @@ saw), and the bundled held-out play (King John). Rows:
   `ar_fast` and the one-liner (with the bundled `sampling_drafter`), seeded alike;
 - `full_prefill`: the one-liner with `cache_config={"prefill_window": None}` (the drafter prefills with full
   attention; the default prefills it in 1024-token windowed chunks);
+- `ar_fast_gemv`, `oneliner_gemv`: `ar_fast` and the one-liner with the target's linear layers on torch's own
+  `F.linear` (few-row linear layers off: the default before them);
 - `mtp`, `mtp@T0.8`: the target's own MTP head, `target.generate(ids, use_mtp=True,
   cache_implementation="sink_window")` and nothing else (windowed MTP's defaults: adaptive draft length, fast
   target).
@@ -35,12 +38,15 @@ alone: a second busy process on 2 cores stalls torch's threads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import random
 import statistics
 import sys
 import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -72,6 +78,8 @@ ROWS = {
     "ar_fast@T0.7": (None, "fast", 0.7),
     "oneliner@T0.7": ({}, None, 0.7),
     "full_prefill": ({"prefill_window": None}, None, None),
+    "ar_fast_gemv": (None, "fast", None),
+    "oneliner_gemv": ({}, None, None),
     "mtp": ({}, "mtp", None),
     "mtp@T0.8": ({}, "mtp", 0.8),
 }
@@ -86,7 +94,26 @@ def texts(tokenizer) -> dict[str, torch.LongTensor]:
     return out
 
 
+@contextlib.contextmanager
+def torch_linears(model, enabled: bool) -> Iterator[None]:
+    """`model`'s `nn.Linear` layers on torch's own forward inside the block: `few_row_linears` leaves a layer with a
+    `forward` set on the instance alone."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear] if enabled else []
+    for layer in layers:
+        layer.forward = types.MethodType(torch.nn.Linear.forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
 def run_row(name: str, demo, drafters: dict, ids: torch.LongTensor, new_tokens: int, seed: int):
+    with torch_linears(demo.target, name.endswith("_gemv")):
+        return _run_row(name, demo, drafters, ids, new_tokens, seed)
+
+
+def _run_row(name: str, demo, drafters: dict, ids: torch.LongTensor, new_tokens: int, seed: int):
     cache_config, setup, temperature = ROWS[name]
     sampling = {"temperature": temperature} if temperature else None
     torch.manual_seed(seed)
