@@ -45,8 +45,6 @@ import random
 import statistics
 import sys
 import time
-import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,6 +54,7 @@ from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.eval.batched import interval_text, number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted, run_mtp
+from hf_budgetdraft.few_row_linear import swapped_forward
 
 LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -94,18 +93,11 @@ def texts(tokenizer) -> dict[str, torch.LongTensor]:
     return out
 
 
-@contextlib.contextmanager
-def torch_linears(model, enabled: bool) -> Iterator[None]:
+def torch_linears(model, enabled: bool) -> contextlib.AbstractContextManager:
     """`model`'s `nn.Linear` layers on torch's own forward inside the block: `few_row_linears` leaves a layer with a
     `forward` set on the instance alone."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear] if enabled else []
-    for layer in layers:
-        layer.forward = types.MethodType(torch.nn.Linear.forward, layer)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+    return swapped_forward(layers, torch.nn.Linear.forward)
 
 
 def run_row(name: str, demo, drafters: dict, ids: torch.LongTensor, new_tokens: int, seed: int):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +54,18 @@ def _eligible(module: nn.Module) -> bool:
     )
 
 
-@contextlib.contextmanager
-def few_row_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+def few_row_linears(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
     """Run `model`'s plain float32 CPU `nn.Linear` layers through `few_row_linear` inside the block (`enabled=False`:
     untouched); their own `forward` is back on exit."""
-    layers = [m for m in model.modules() if _eligible(m)] if enabled else []
+    return swapped_forward([m for m in model.modules() if _eligible(m)] if enabled else [], few_row_linear)
+
+
+@contextlib.contextmanager
+def swapped_forward(layers: list[nn.Module], forward: Callable) -> Iterator[None]:
+    """Each of `layers` runs `forward(layer, *args)` inside the block (set on the instance, which `_eligible` then
+    leaves alone); the class's own `forward` is back on exit."""
     for layer in layers:
-        layer.forward = types.MethodType(few_row_linear, layer)
+        layer.forward = types.MethodType(forward, layer)
     try:
         yield
     finally:
