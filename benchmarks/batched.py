@@ -30,10 +30,9 @@ import torch
 
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
-from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
 from hf_budgetdraft.eval.batched import BATCH_METHODS, batched_grid, grid_markdown, summarise_grid
 
-LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # part -> (contexts and their batch sizes, methods, new tokens, repeats, sampling)
@@ -55,8 +54,7 @@ PARTS = {
 
 def held_out_stream(tokenizer, text_name: str = "mixed") -> torch.LongTensor:
     """`mixed`: the licence texts then the held-out play; `king_john`: the play alone (text the drafter fits)."""
-    found = [Path("/usr/share/common-licenses", name) for name in LICENCES]
-    prose = "\n\n".join(p.read_text(encoding="utf-8") for p in found if p.is_file())
+    prose = licence_text()
     play = DEMO_TEXT.read_text(encoding="utf-8")
     text = play if text_name == "king_john" else prose + "\n\n" + play
     return tokenizer(text, return_tensors="pt").input_ids[0]

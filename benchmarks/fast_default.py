@@ -51,12 +51,11 @@ import torch
 
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
-from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
 from hf_budgetdraft.eval.batched import interval_text, number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted, run_mtp
 from hf_budgetdraft.few_row_linear import swapped_forward
 
-LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # row -> (cache_config of the one-liner call, or None for plain AR; AR setup, or "mtp"; sampling temperature)
@@ -85,8 +84,7 @@ ROWS = {
 
 
 def texts(tokenizer) -> dict[str, torch.LongTensor]:
-    found = [Path("/usr/share/common-licenses", name) for name in LICENCES]
-    prose = "\n\n".join(p.read_text(encoding="utf-8") for p in found if p.is_file())
+    prose = licence_text()
     out = {"king_john": tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids}
     if prose:
         out = {"licences": tokenizer(prose, return_tensors="pt").input_ids, **out}

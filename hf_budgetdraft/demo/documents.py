@@ -1,4 +1,5 @@
-"""The long documents the demo models are evaluated on (bench `--preset demo`, the app's built-in contexts)."""
+"""The long documents the demo models are evaluated on (bench `--preset demo`, the app's built-in contexts, the
+out-of-corpus prose of the benchmarks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,18 @@ HELD_OUT_CANDIDATES = (
     Path("data/corpus/eval.jsonl"),
     Path(__file__).resolve().parents[2] / "data" / "corpus" / "eval.jsonl",
 )
+
+
+# English prose outside the training corpus (no bundled model read it: checked by content when their training prose
+# is prepared): the licence texts Debian ships, in this order
+LICENCE_DIR = Path("/usr/share/common-licenses")
+LICENCES = ("GPL-3", "GFDL-1.3", "LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic", "LGPL-3")
+
+
+def licence_text() -> str:
+    """The licence texts of `LICENCE_DIR` found on this machine, joined by blank lines ("" where none is)."""
+    found = [LICENCE_DIR / name for name in LICENCES]
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in found if p.is_file())
 
 
 def demo_documents() -> tuple[list[Document], str]:
