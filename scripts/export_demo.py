@@ -10,7 +10,7 @@ random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-
 16K-token windows over the same tokens, and each drafter's top-1 agreement with the target on eval text and on the
 target's own greedy continuation of it (the text a greedy call drafts), and its expected sampling acceptance
 `E[sum_x min(p(x), q(x))]` at temperatures 0.8 and 1.0 on the target's own sampled continuation (the text a
-sampling call drafts).
+sampling call drafts); the same two on out-of-corpus prose (the licence texts, where the machine ships them).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from train_target import passkey_accuracy
 
 from hf_budgetdraft.demo import load_demo_models
+from hf_budgetdraft.demo.documents import licence_text
 from hf_budgetdraft.demo.models import DEMO_DIR
 
 CONFIG_FILES = ("config.json", "generation_config.json", "adapter_config.json")
@@ -156,6 +157,13 @@ def main() -> None:
         print(f"perplexity @{context}: {ppl:.2f}", flush=True)
     on_policy = greedy_continuation(demo.target, ids[:2048], 256)[:-1]
     target_top1, target_on_policy_top1 = top1(demo.target, ids[:2048]), top1(demo.target, on_policy, 2047)
+    prose = (
+        licence_text()
+    )  # out-of-corpus prose (held out from every bundled model), where this machine has it
+    prose_ids = demo.tokenizer(prose, return_tensors="pt").input_ids[0, :2048] if prose else None
+    if prose_ids is not None:
+        prose_on_policy = greedy_continuation(demo.target, prose_ids, 256)[:-1]
+        prose_top1 = top1(demo.target, prose_on_policy, 2047)
     for name in drafters:
         agreement = top1_agreement(getattr(demo, name), target_top1, ids[:2048])
         metrics[name]["top-1 agreement with the target, 2,048 eval tokens, full cache"] = f"{agreement:.1%}"
@@ -168,6 +176,17 @@ def main() -> None:
             metrics[name][
                 f"expected sampling acceptance at T {temperature} on the target's own sampled continuation (256 "
                 "tokens after those 2,048)"
+            ] = f"{accept:.1%}"
+        if prose_ids is not None:
+            agreement = top1_agreement(getattr(demo, name), prose_top1, prose_on_policy, 2047)
+            metrics[name][
+                "out-of-corpus prose (the licence texts): top-1 agreement on the target's own greedy continuation "
+                "(256 tokens after their first 2,048)"
+            ] = f"{agreement:.1%}"
+            accept = sampling_acceptance(demo.target, getattr(demo, name), prose_ids, 256, 0.8)
+            metrics[name][
+                "out-of-corpus prose (the licence texts): expected sampling acceptance at T 0.8 on the target's own "
+                "sampled continuation"
             ] = f"{accept:.1%}"
     parameters = {
         name: sum(p.numel() for p in getattr(demo, name).parameters()) for name in ("target", *drafters)
