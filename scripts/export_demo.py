@@ -157,9 +157,8 @@ def main() -> None:
         print(f"perplexity @{context}: {ppl:.2f}", flush=True)
     on_policy = greedy_continuation(demo.target, ids[:2048], 256)[:-1]
     target_top1, target_on_policy_top1 = top1(demo.target, ids[:2048]), top1(demo.target, on_policy, 2047)
-    prose = (
-        licence_text()
-    )  # out-of-corpus prose (held out from every bundled model), where this machine has it
+    # out-of-corpus prose (held out from every bundled model), where this machine has it
+    prose = licence_text()
     prose_ids = demo.tokenizer(prose, return_tensors="pt").input_ids[0, :2048] if prose else None
     if prose_ids is not None:
         prose_on_policy = greedy_continuation(demo.target, prose_ids, 256)[:-1]

@@ -31,6 +31,8 @@ from prepare_corpus import MANIFEST_SAMPLE, SHINGLE_WORDS, content_hash, shingle
 from hf_budgetdraft.demo.documents import DEMO_TEXT, LICENCE_DIR
 
 REPO = Path(__file__).resolve().parent.parent
+# held out beside the licence texts: the bundled play and the corpus' eval split
+HELD_OUT_FILES = (DEMO_TEXT, REPO / "data" / "corpus" / "eval.jsonl")
 MAN_SECTIONS = ("man1", "man5", "man7", "man8")
 MIN_DOCUMENT_BYTES = 2_000
 # the Google Cloud SDK installs ~16,600 near-identical generated pages; they would crowd out every other page
@@ -103,7 +105,7 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=6_000_000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    held_out = held_out_shingles([DEMO_TEXT, REPO / "data/corpus/eval.jsonl"])
+    held_out = held_out_shingles(list(HELD_OUT_FILES))
     records, manifest, total, dropped = [], [], 0, 0
     seen_hashes = set()
     for source, name, load in candidates(args.seed):
@@ -124,11 +126,7 @@ def main() -> None:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     header = {"shingle_words": SHINGLE_WORDS, "shingle_sample": MANIFEST_SAMPLE, "seed": args.seed}
-    header["held_out"] = [
-        "/usr/share/common-licenses/*",
-        "hf_budgetdraft/demo/king_john.txt",
-        "data/corpus/eval.jsonl",
-    ]
+    header["held_out"] = [f"{LICENCE_DIR}/*", *(str(p.relative_to(REPO)) for p in HELD_OUT_FILES)]
     with open(args.out / "manifest.json", "w", encoding="utf-8") as handle:
         json.dump({**header, "documents": manifest}, handle, separators=(",", ":"))
     sources = {s: sum(r["source"] == s for r in records) for s in ("man", "pypi")}

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from hf_budgetdraft.demo.documents import DEMO_TEXT, LICENCE_DIR
+
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = Path(__file__).resolve().parent / "data" / "prose_manifest.json"
-LICENCES = Path("/usr/share/common-licenses")
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,10 @@ def test_the_bundled_drafters_prose_shares_nothing_with_the_held_out_texts(prose
     assert len(documents) > 300 and {d["source"] for d in documents} == {"man", "pypi"}
     assert not any(d["name"].startswith("man1/gcloud") for d in documents)
     assert len({d["sha256"] for d in documents}) == len(documents)
-    held_out = [(REPO / "hf_budgetdraft" / "demo" / "king_john.txt").read_text(encoding="utf-8")]
-    if LICENCES.is_dir():  # the benchmark's out-of-corpus text, where this machine ships it
+    held_out = [DEMO_TEXT.read_text(encoding="utf-8")]
+    if LICENCE_DIR.is_dir():  # the benchmark's out-of-corpus text, where this machine ships it
         held_out += [
-            p.read_text(encoding="utf-8", errors="replace") for p in LICENCES.glob("*") if p.is_file()
+            p.read_text(encoding="utf-8", errors="replace") for p in LICENCE_DIR.glob("*") if p.is_file()
         ]
     shingles = set().union(*(prose.shingles(text, sample=sample) for text in held_out))
     assert len(shingles) > 300
