@@ -75,7 +75,7 @@ def test_adaptive_takes_the_drafter_back_when_it_improves():
 def test_adaptive_never_drafts_beyond_its_maximum_and_ignores_the_prefill_round():
     policy = AdaptiveDraftLength(maximum=4)
     policy.update(4, 4, 100.0, 1000.0)  # round 1: both prefills, huge times; must not be fitted
-    assert policy.verify.count == 0 and policy.draft_per_token is None
+    assert policy.verify.count == 0 and policy.draft.count == 0
     chosen = simulate(policy, 1.0, 1.0, 0.0, 0.01, rounds=50)
     assert max(chosen) == 4 and chosen[-1] == 4
 
@@ -134,7 +134,7 @@ def test_the_first_drafting_round_is_not_fitted_and_an_ar_step_follows_it():
     policy.update(2, 2, 5.0, 50.0)  # round 1: the prefills
     assert policy.next_length() > 0  # round 2 drafts on the priors...
     policy.update(5, 0, 10.0, 30.0)  # ...every path cold: slow, not fitted
-    assert policy.verify.count == 0 and policy.draft_per_token is None
+    assert policy.verify.count == 0 and policy.draft.count == 0
     assert policy.next_length() == 0  # round 3 measures the AR step drafting competes with
 
 
@@ -157,3 +157,77 @@ def test_one_stall_does_not_keep_a_paying_drafter_off():
     optimum = best_length(acceptance, 1.0, 0.05, draft_step, 16)
     late = [rate(g, acceptance, 1.0, 0.05, draft_step) for g in chosen[-100:]]
     assert sum(late) / len(late) >= 0.95 * rate(optimum, acceptance, 1.0, 0.05, draft_step)
+
+
+def simulate_with_intercept(
+    policy, acceptance: float, verify: tuple, draft: tuple, ar_step: float, rounds: int, seed: int = 5
+):
+    """Like `simulate`, with each phase `intercept + slope·γ` and γ = 0 costing `ar_step`; returns the lengths."""
+    rng, chosen = random.Random(seed), []
+    for _ in range(rounds):
+        gamma = policy.next_length()
+        chosen.append(gamma)
+        accepted = 0
+        while accepted < gamma and rng.random() < acceptance:
+            accepted += 1
+        if gamma:
+            policy.update(gamma, accepted, draft[0] + draft[1] * gamma, verify[0] + verify[1] * gamma)
+        else:
+            policy.update(0, 0, 0.0, ar_step)
+    return chosen
+
+
+def intercept_rate(gamma: int, acceptance: float, verify: tuple, draft: tuple, ar_step: float) -> float:
+    if gamma == 0:
+        return 1 / ar_step
+    tokens = sum(acceptance**k for k in range(gamma + 1))
+    return tokens / (verify[0] + draft[0] + (verify[1] + draft[1]) * gamma)
+
+
+def test_a_draft_phase_with_an_intercept_is_fitted_as_one():
+    """A round's first draft step is dear (caches left cold by the verification), the rest cheap: the policy fits
+    `intercept + slope·γ` and finds the longer rounds that pay, where a per-token cost (the round's mean) would
+    charge them the first step once per token and keep to γ = 1."""
+    acceptance, verify, draft, ar_step = 0.7, (1.12, 0.1), (0.2, 0.15), 1.0
+    optimum = max(range(17), key=lambda g: intercept_rate(g, acceptance, verify, draft, ar_step))
+    assert optimum >= 2
+    policy = AdaptiveDraftLength(maximum=16)
+    chosen = simulate_with_intercept(policy, acceptance, verify, draft, ar_step, rounds=400)
+    intercept, slope = policy.draft.coefficients()
+    for gamma in set(chosen[-150:]) - {0}:  # the fit prices the rounds it drafts
+        assert intercept + slope * gamma == pytest.approx(draft[0] + draft[1] * gamma, rel=0.1)
+    late = [intercept_rate(g, acceptance, verify, draft, ar_step) for g in chosen[-150:]]
+    best = intercept_rate(optimum, acceptance, verify, draft, ar_step)
+    assert sum(late) / len(late) >= 0.93 * best
+    assert sum(late) / len(late) > 1.08 / ar_step  # clearly faster than plain AR
+
+
+def test_a_close_call_is_probed_often_and_a_clear_loss_rarely():
+    """When drafting is predicted within `close_call` of AR, it probes every `close_probe_after` AR rounds; when it
+    clearly loses, the probes back off (8, 16, 32, ... AR rounds)."""
+
+    verify, draft = (1.2, 0.05), (0.1, 0.1)
+
+    def probes(acceptance: float, seed: int) -> int:
+        policy = AdaptiveDraftLength(maximum=8)
+        chosen = simulate_with_intercept(policy, acceptance, verify, draft, 1.0, rounds=300, seed=seed)
+        return sum(1 for g in chosen[-150:] if g > 0)
+
+    best = max(intercept_rate(g, 0.42, verify, draft, 1.0) for g in range(1, 9))
+    assert 0.95 < best < 1.0  # drafting loses, by less than the call's noise
+    assert max(probes(0.0, seed) for seed in range(6)) <= 4
+    # about one round in five on average; a run of bad luck can still leave one call on the doubling probes
+    assert sum(probes(0.42, seed) for seed in range(6)) / 6 >= 15
+
+
+def test_the_ar_cost_is_a_low_quartile_of_recent_measurements():
+    policy = AdaptiveDraftLength(maximum=4)
+    policy.update(2, 2, 5.0, 50.0)  # the prefills
+    for seconds in (3.0, 1.0, 1.2, 1.1, 5.0, 1.3, 1.4, 1.5):
+        policy.update(0, 0, 0.0, seconds)
+    assert policy.ar_step == pytest.approx(1.2)  # sorted [1.0, 1.1, 1.2, ...][8 // 4]
+    fresh = AdaptiveDraftLength(maximum=4)
+    fresh.update(2, 2, 5.0, 50.0)
+    for seconds in (3.0, 1.0):  # fewer than 4: the least
+        fresh.update(0, 0, 0.0, seconds)
+    assert fresh.ar_step == pytest.approx(1.0)

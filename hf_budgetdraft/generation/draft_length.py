@@ -3,8 +3,9 @@ acceptance.
 
 A round that drafts γ tokens emits `1 + sum_{k<=γ} prod_{j<=k} a_j` tokens in expectation, `a_j` = the probability
 that draft token j is accepted given that tokens 1..j-1 were (Leviathan et al., arXiv 2211.17192, §3.1, with
-per-position rates), and costs `c_verify(γ) + γ·c_draft` seconds. `AdaptiveDraftLength` keeps running estimates of
-all three from the call's own rounds and drafts the γ in [0, max] with the most expected tokens per second. γ = 0
+per-position rates), and costs `c_verify(γ) + c_draft(γ)` seconds, each linear in γ with an intercept (a round's
+first draft step runs on caches the verification left cold). `AdaptiveDraftLength` keeps running estimates of all
+of them from the call's own rounds and drafts the γ in [0, max] with the most expected tokens per second. γ = 0
 is a plain autoregressive step (the target alone), so speculation that cannot pay — a poor drafter, long context
 with low acceptance, sampling at a high temperature — falls back to AR instead of slowing the call down.
 """
@@ -12,7 +13,6 @@ with low acceptance, sampling at a high temperature — falls back to AR instead
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -97,42 +97,52 @@ class _DecayedLinearFit:
 
 @dataclass
 class AdaptiveDraftLength(DraftLength):
-    """Each round drafts `argmax_γ E[tokens | γ] / (c_verify(γ) + γ·c_draft)` over γ in [0, `maximum`].
+    """Each round drafts `argmax_γ E[tokens | γ] / (c_verify(γ) + c_draft(γ))` over γ in [0, `maximum`].
 
     Acceptance per draft position has a Beta prior (mean `prior_acceptance`, weight `prior_weight` rounds), pooled
     towards the call's overall acceptance so positions rarely reached borrow strength; costs start from prior
     ratios to the verification step and are replaced by this call's timings: the first round holds both prefills
     and the second runs each draft and verify path for the first time, so neither is fitted, and the third is a
-    plain AR step. Timing noise only adds time, and one stall (a page-fault storm, another process) must not keep
-    a paying drafter off: the draft cost is the median of the last `cost_samples` rounds, a verification is
-    counted at no more than `γ + 1` AR steps, and estimates forget old rounds with `decay`. After a run of γ = 0 rounds it
-    drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once drafting pays again) so a drafter
-    that improves later (the text changes) is taken back. The third round (the first after a timed drafting round)
-    is always a plain AR step, so the cost drafting competes with is measured; that is measured again after
-    `remeasure_after` drafting rounds in a row (32, then 64, ... 256), and the AR cost is the least of the last
-    `ar_samples` measurements (timing noise only adds time): one slow early measurement must not keep a losing
-    policy drafting.
+    plain AR step. Verification and drafting are each fitted as `intercept + slope·γ`: a policy that drafts short
+    rounds must not charge a longer one the first step's cold caches once per token. Timing noise only adds time,
+    and one stall (a page-fault storm, another process) must not keep a paying drafter off: a round counts for at
+    most `γ` AR steps of drafting and `γ + 1` of verification, and estimates forget old rounds with `decay`.
+    After a run of γ = 0 rounds it drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once
+    drafting pays again) so a drafter that improves later (the text changes) is taken back. In a close call —
+    drafting within `close_call` of AR's rate were its acceptance one posterior standard deviation above the
+    estimate, where early rounds' bad luck can leave it — it probes every `close_probe_after` AR rounds instead:
+    such a probe costs little, and the estimate it sharpens decides the rest of the call. The third round (the
+    first after a timed drafting round) is always a plain AR step, so the cost drafting competes with is measured;
+    that is measured again after `remeasure_after` drafting rounds in a row (32, then 64, ... 256), and the AR cost
+    is the lower quartile of the last `ar_samples` measurements (their least while there are fewer than 4): one
+    slow early measurement must not keep a losing policy drafting, and the machine's fast moments alone must not
+    make AR look better than the drafting rounds it is compared with.
 
     Args:
         maximum (`int`): the longest round (the draft cache's rollback slack bounds it).
         prior_acceptance (`float`): a priori acceptance of a draft token, before any round.
         prior_draft_ratio (`float`): a priori cost of one draft step over a one-token verification.
+        prior_draft_slope (`float`): a priori share of a round's mean draft time that one more draft token adds.
         prior_verify_slope (`float`): a priori cost of one more verified token over a one-token verification.
         switch_margin (`float`): drafting must be predicted to beat the AR step by this fraction, so noise in the
             estimates does not buy rounds that lose.
         ar_samples (`int`): AR-step measurements the cost estimate keeps.
-        cost_samples (`int`): drafting rounds the draft-cost median is taken over.
+        close_call (`float`): drafting that would reach `1 - close_call` times AR's rate with its acceptance one
+            posterior standard deviation higher is a close call.
+        close_probe_after (`int`): AR rounds between probing rounds in a close call.
     """
 
     maximum: int
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0
     prior_draft_ratio: float = 0.1
+    prior_draft_slope: float = 0.5
     prior_verify_slope: float = 0.05
     decay: float = 0.97
     switch_margin: float = 0.05
     ar_samples: int = 8
-    cost_samples: int = 8
+    close_call: float = 0.05
+    close_probe_after: int = 4
     name = "adaptive"
 
     def __post_init__(self):
@@ -141,8 +151,8 @@ class AdaptiveDraftLength(DraftLength):
         self.accepted = [0.0] * self.maximum  # decayed counts per draft position
         self.reached = [0.0] * self.maximum
         self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)  # rounds that drafted
+        self.draft = _DecayedLinearFit(self.decay, self.prior_draft_slope)  # their draft phases
         self.ar_times: list[float] = []  # rounds that did not: the target's plain one-token step
-        self.draft_times: list[float] = []  # per drafted token, recent drafting rounds
         self.rounds = 0
         self.ar_rounds_in_a_row = 0
         self.drafting_rounds_in_a_row = 0
@@ -151,27 +161,26 @@ class AdaptiveDraftLength(DraftLength):
 
     @property
     def ar_step(self) -> float | None:
-        """The plain AR step's cost: the least of its recent measurements (`None` before the first)."""
-        return min(self.ar_times) if self.ar_times else None
-
-    @property
-    def draft_per_token(self) -> float | None:
-        """One draft step's cost: the median over recent drafting rounds (`None` before the first fitted one)."""
-        return statistics.median(self.draft_times) if self.draft_times else None
+        """The plain AR step's cost: the lower quartile of its recent measurements (`None` before the first)."""
+        return sorted(self.ar_times)[len(self.ar_times) // 4] if self.ar_times else None
 
     # -- estimates -----------------------------------------------------------------------------------------------
-    def acceptance(self) -> list[float]:
-        """Posterior mean acceptance per draft position, `(maximum,)`."""
+    def acceptance(self, optimism: float = 0.0) -> list[float]:
+        """Posterior mean acceptance per draft position, `(maximum,)`; `optimism` > 0 adds that many posterior
+        standard deviations (capped at 1): what the acceptance may still be, given how little was seen."""
         pooled = (sum(self.accepted) + self.prior_acceptance * self.prior_weight) / (
             sum(self.reached) + self.prior_weight
         )
-        return [
-            (a + pooled * self.prior_weight) / (r + self.prior_weight)
-            for a, r in zip(self.accepted, self.reached, strict=True)
-        ]
+        estimates = []
+        for accepted, reached in zip(self.accepted, self.reached, strict=True):
+            seen = reached + self.prior_weight
+            mean = (accepted + pooled * self.prior_weight) / seen
+            estimates.append(min(1.0, mean + optimism * math.sqrt(mean * (1 - mean) / (seen + 1))))
+        return estimates
 
-    def costs(self) -> tuple[float, float, float, float]:
-        """`(AR step, verify intercept, verify slope, draft step)` in seconds (relative units before any timing).
+    def costs(self) -> tuple[float, float, float, float, float]:
+        """`(AR step, verify intercept, verify slope, draft intercept, draft slope)` in seconds (relative units before
+        any timing): a round of γ >= 1 costs `verify intercept + draft intercept + (verify slope + draft slope)·γ`.
 
         Verifying γ >= 1 tokens is fitted apart from the plain one-token step: a multi-token verification can take
         another attention path (`budgetdraft_sdpa` attends to the past and the block separately), so the cost
@@ -182,17 +191,20 @@ class AdaptiveDraftLength(DraftLength):
         else:
             intercept, slope = self.verify.coefficients()
         ar_step = self.ar_step if self.ar_step is not None else intercept
-        draft = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_ratio * ar_step
-        return ar_step, intercept, slope, draft
+        if self.draft.count == 0:
+            draft_intercept, draft_slope = 0.0, self.prior_draft_ratio * ar_step
+        else:
+            draft_intercept, draft_slope = self.draft.coefficients()
+        return ar_step, intercept, slope, draft_intercept, draft_slope
 
-    def expected_rates(self) -> list[float]:
-        """Expected tokens per second for γ = 0..maximum."""
-        ar_step, intercept, slope, draft = self.costs()
+    def expected_rates(self, optimism: float = 0.0) -> list[float]:
+        """Expected tokens per second for γ = 0..maximum (`optimism`: see `acceptance`)."""
+        ar_step, intercept, slope, draft_intercept, draft_slope = self.costs()
         rates, tokens, survive = [1.0 / ar_step], 1.0, 1.0
-        for gamma, rate in enumerate(self.acceptance(), start=1):
+        for gamma, rate in enumerate(self.acceptance(optimism), start=1):
             survive *= rate
             tokens += survive
-            rates.append(tokens / (intercept + slope * gamma + draft * gamma))
+            rates.append(tokens / (intercept + draft_intercept + (slope + draft_slope) * gamma))
         return rates
 
     # -- policy --------------------------------------------------------------------------------------------------
@@ -210,11 +222,17 @@ class AdaptiveDraftLength(DraftLength):
             return 0  # re-measure the AR step drafting is compared with
         if best > 0:
             self.probe_after = 8  # drafting pays again: probe soon after the next fallback
-        elif self.ar_rounds_in_a_row >= self.probe_after:
-            self.probe_after = min(2 * self.probe_after, 256)
+            return best
+        # a close call: drafting may still pay, were its acceptance one standard deviation above the estimate
+        hopeful = self.expected_rates(optimism=1.0)
+        drafting = max(range(1, len(hopeful)), key=hopeful.__getitem__)
+        close = hopeful[drafting] >= (1 - self.close_call) * rates[0]
+        if self.ar_rounds_in_a_row >= (self.close_probe_after if close else self.probe_after):
+            if not close:
+                self.probe_after = min(2 * self.probe_after, 256)
             self.ar_rounds_in_a_row = 0
-            return max(range(1, len(rates)), key=rates.__getitem__)
-        return best
+            return drafting
+        return 0
 
     def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
         """`accepted`: draft tokens kept (one sequence; a batch has `RowDraftLength`)."""
@@ -237,7 +255,8 @@ class AdaptiveDraftLength(DraftLength):
         if self.ar_step is None:
             return  # the first drafting round runs every path cold; the AR step it needs is not measured yet
         self.verify.add(float(drafted), min(verify_seconds, (drafted + 1) * self.ar_step))
-        self.draft_times = [*self.draft_times, draft_seconds / drafted][-self.cost_samples :]
+        if math.isfinite(draft_seconds) and draft_seconds >= 0:
+            self.draft.add(float(drafted), min(draft_seconds, drafted * self.ar_step))
 
 
 class RoundClock:
