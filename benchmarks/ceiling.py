@@ -74,8 +74,8 @@ def verify_costs(target, ids: torch.LongTensor, max_tokens: int, repeats: int) -
 
 
 def fixed_length_call(demo, ids, gamma: int, new_tokens: int, do_sample: bool) -> tuple[list[int], float]:
-    """One one-liner call drafting exactly γ tokens a round: the rounds' accepted counts and mean draft seconds (the
-    first round, holding both prefills, left out)."""
+    """One one-liner call drafting exactly γ tokens a round: the rounds' accepted counts and median draft seconds
+    (the first round, holding both prefills, and a last round cut short by the token limit left out)."""
     sampling = {"temperature": TEMPERATURE} if do_sample else None
     torch.manual_seed(0)
     result = run_assisted(
@@ -95,9 +95,7 @@ def fixed_length_call(demo, ids, gamma: int, new_tokens: int, do_sample: bool) -
         stats.draft_seconds_per_round[1:],
         strict=True,
     )
-    full = [
-        (accepted, seconds) for accepted, proposed, seconds in rounds if proposed == gamma
-    ]  # not a cut-off last
+    full = [(accepted, seconds) for accepted, proposed, seconds in rounds if proposed == gamma]
     return [accepted for accepted, _ in full], statistics.median(seconds for _, seconds in full)
 
 

@@ -11,6 +11,14 @@ from hf_budgetdraft.generation.draft_length import (
 )
 
 
+def draw_accepted(rng: random.Random, gamma: int, acceptance: float) -> int:
+    """Draft tokens an i.i.d. drafter gets accepted in a round of `gamma`: each with `acceptance`, until one fails."""
+    accepted = 0
+    while accepted < gamma and rng.random() < acceptance:
+        accepted += 1
+    return accepted
+
+
 def simulate(
     policy, acceptance: float, verify_base: float, verify_slope: float, draft_step: float, rounds: int
 ):
@@ -21,9 +29,7 @@ def simulate(
     for _ in range(rounds):
         gamma = policy.next_length()
         chosen.append(gamma)
-        accepted = 0
-        while accepted < gamma and rng.random() < acceptance:
-            accepted += 1
+        accepted = draw_accepted(rng, gamma, acceptance)
         policy.update(gamma, accepted, draft_step * gamma, verify_base + verify_slope * gamma)
     return chosen
 
@@ -94,9 +100,7 @@ def test_adaptive_corrects_an_inflated_first_ar_measurement():
             policy.update(0, 0, 0.0, 3 * ar_step if first_ar else ar_step)
             first_ar = False
             continue
-        accepted = 0
-        while accepted < gamma and rng.random() < acceptance:
-            accepted += 1
+        accepted = draw_accepted(rng, gamma, acceptance)
         policy.update(gamma, accepted, draft_step * gamma, verify_base + verify_slope * gamma)
     tokens_per_round = [sum(acceptance**k for k in range(g + 1)) for g in chosen[-200:]]
     costs = [ar_step if g == 0 else verify_base + (verify_slope + draft_step) * g for g in chosen[-200:]]
@@ -146,9 +150,7 @@ def test_one_stall_does_not_keep_a_paying_drafter_off():
     for round_index in range(300):
         gamma = policy.next_length()
         chosen.append(gamma)
-        accepted = 0
-        while accepted < gamma and rng.random() < acceptance:
-            accepted += 1
+        accepted = draw_accepted(rng, gamma, acceptance)
         draft, verify = draft_step * gamma, (1.0 + 0.05 * gamma) if gamma else 1.0
         if gamma and round_index > 10 and not stalled:
             draft, verify, stalled = 100 * draft, 50 * verify, True
@@ -167,9 +169,7 @@ def simulate_with_intercept(
     for _ in range(rounds):
         gamma = policy.next_length()
         chosen.append(gamma)
-        accepted = 0
-        while accepted < gamma and rng.random() < acceptance:
-            accepted += 1
+        accepted = draw_accepted(rng, gamma, acceptance)
         if gamma:
             policy.update(gamma, accepted, draft[0] + draft[1] * gamma, verify[0] + verify[1] * gamma)
         else:
