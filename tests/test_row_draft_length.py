@@ -126,3 +126,17 @@ def test_shared_lengths_are_the_plan_s_own():
 def test_bad_maximum_is_refused():
     with pytest.raises(ValueError, match="maximum must be >= 1"):
         RowDraftLength(maximum=0, rows=2)
+
+
+@pytest.mark.parametrize("acceptance", [[0.0] * 4, [0.9, 0.0, 0.0, 0.0], [0.5, 0.6, 0.4, 0.7]])
+def test_an_all_ar_plan_is_held_without_changing_a_decision(acceptance):
+    # planning runs only when a round drafted, a row fell due or the hold ran out: the same lengths as planning
+    # every round, for a fraction of the plans
+    costs = {"verify": (0.010, 0.0005), "draft": (0.002, 0.0015)}
+    held = RowDraftLength(maximum=8, rows=4)
+    plans = []
+    plan = held.plan
+    held.plan = lambda *args: plans.append(1) or plan(*args)
+    every_round = simulate(RowDraftLength(maximum=8, rows=4, replan_after=0), acceptance, rounds=200, **costs)
+    assert torch.equal(simulate(held, acceptance, rounds=200, **costs), every_round)
+    assert len(plans) < 200 // 4

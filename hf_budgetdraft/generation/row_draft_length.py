@@ -20,7 +20,9 @@ back. Rows due together probe in one round (a drafting round costs every row: pr
 per row). A short probe would teach too little: the gain of drafting comes from long accepted runs. A due probe is
 skipped when drafting could not pay even if the rows accepted as well as the best row (few tokens left, or drafts
 too dear beside this batch's AR step): in a static batch a row that does not fit is usually not the one the call
-waits for.
+waits for. An all-AR plan holds for `replan_after` rounds unless a row falls due: what it rests on changes only
+when a round drafts (acceptance) or slowly (the AR cost, the tokens left), and planning costs a batch's AR round
+a few percent.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class RowDraftLength:
         row_share (`float`): the part of the batch's AR step that scales with its rows (the rest — weights, launch
             and Python overhead — is paid per round whatever the rows); a prior, the rows rarely change enough to
             fit it.
+        replan_after (`int`): rounds an all-AR plan is kept without planning again, unless a row falls due for a
+            probe or a round drafts.
     """
 
     maximum: int
@@ -62,6 +66,7 @@ class RowDraftLength:
     switch_margin: float = 0.05
     probe_length: int = 4
     row_share: float = 0.6
+    replan_after: int = 8
     name = "adaptive"
 
     def __post_init__(self):
@@ -81,6 +86,7 @@ class RowDraftLength:
         self.ar_measured = False
         self.ar_streak = torch.zeros(self.rows, dtype=torch.long)  # AR rounds in a row, per row
         self.probe_after = torch.full((self.rows,), 8, dtype=torch.long)
+        self.hold = 0  # all-AR rounds left before planning again
 
     # -- estimates -----------------------------------------------------------------------------------------------
     def acceptance(self, rows: torch.Tensor) -> torch.Tensor:
@@ -159,6 +165,9 @@ class RowDraftLength:
             return torch.full((n,), probe, dtype=torch.long)
         if self.rounds >= 2 and not self.ar_measured:
             return torch.zeros(n, dtype=torch.long)  # one all-AR round: what drafting is compared with
+        if self.hold > 0 and not bool((self.ar_streak[rows] >= self.probe_after[rows]).any()):
+            self.hold -= 1
+            return torch.zeros(n, dtype=torch.long)  # nothing learnt since the last all-AR plan: keep it
         candidates, times = self.plan(rows, remaining)
         best = int(times.argmin())
         # all-AR unless drafting is predicted to finish sooner by more than the estimates' noise
@@ -175,6 +184,8 @@ class RowDraftLength:
             self.ar_streak[rows[due]] = 0
             if self.probe_could_pay(rows, remaining, gamma, due):
                 gamma[due] = probe
+        # hold an all-AR plan once the AR step it rests on is measured
+        self.hold = self.replan_after if self.ar_measured and not bool(gamma.any()) else 0
         return gamma
 
     def probe_could_pay(
@@ -207,6 +218,7 @@ class RowDraftLength:
         self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if any_drafted else 0
         self.ar_streak[rows] = torch.where(drafting, 0, self.ar_streak[rows] + 1)
         if any_drafted:
+            self.hold = 0  # new acceptance: plan again
             positions = torch.arange(self.maximum)[None]
             mine = rows[drafting]
             self.accepted[mine] *= self.decay
