@@ -41,6 +41,7 @@ from hf_budgetdraft.timing import ar_setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_default import RESULTS, passage_offsets, texts  # noqa: E402
+from verify_cost import time_forward  # noqa: E402
 
 TEMPERATURE = 0.8
 CALLS_A_REPEAT = 5  # back-to-back forwards of one length, their median one sample
@@ -52,22 +53,13 @@ def verify_costs(target, ids: torch.LongTensor, max_tokens: int, repeats: int) -
     past = ids.shape[1] - max_tokens
     with ar_setup(target, "fast", ids.shape[1]) as kwargs:
         cache: GrowableCache = kwargs["cache"]
-        target(input_ids=ids[:, :past], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        target(input_ids=ids[:, :past], cache=cache, use_cache=True, logits_to_keep=1)
         times = [[] for _ in range(max_tokens)]
         for repeat in range(repeats + 1):
             order = range(1, max_tokens + 1) if repeat % 2 else range(max_tokens, 0, -1)
             for n in order:
-                calls = []
-                for _ in range(CALLS_A_REPEAT):
-                    began = time.perf_counter()
-                    target(
-                        input_ids=ids[:, past : past + n],
-                        position_ids=torch.arange(past, past + n)[None],
-                        past_key_values=cache,
-                        use_cache=True,
-                    )
-                    calls.append(time.perf_counter() - began)
-                    cache.crop(-n)
+                tokens = ids[:, past : past + n]
+                calls = [time_forward(target, cache, tokens, past, inner=1) for _ in range(CALLS_A_REPEAT)]
                 if repeat:  # the first pass warms every path
                     times[n - 1].append(statistics.median(calls))
     return [statistics.median(t) for t in times]

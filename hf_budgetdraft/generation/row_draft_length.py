@@ -165,7 +165,7 @@ class RowDraftLength:
             return torch.full((n,), probe, dtype=torch.long)
         if self.rounds >= 2 and not self.ar_measured:
             return torch.zeros(n, dtype=torch.long)  # one all-AR round: what drafting is compared with
-        if self.hold > 0 and not bool((self.ar_streak[rows] >= self.probe_after[rows]).any()):
+        if self.hold > 0 and not bool(self.falls_due(rows).any()):
             self.hold -= 1
             return torch.zeros(n, dtype=torch.long)  # nothing learnt since the last all-AR plan: keep it
         candidates, times = self.plan(rows, remaining)
@@ -177,7 +177,7 @@ class RowDraftLength:
             return torch.zeros(n, dtype=torch.long)  # re-measure the AR step
         # drafting pays for these rows: probe soon after their next fallback
         self.probe_after[rows[gamma > 0]] = 8
-        due = (gamma == 0) & (self.ar_streak[rows] >= self.probe_after[rows])
+        due = (gamma == 0) & self.falls_due(rows)
         # rows that have not drafted for a while draft once, together (one drafting round), if it could pay
         if bool(due.any()):
             self.probe_after[rows[due]] = (self.probe_after[rows[due]] * 2).clamp(max=256)
@@ -187,6 +187,10 @@ class RowDraftLength:
         # hold an all-AR plan once the AR step it rests on is measured
         self.hold = self.replan_after if self.ar_measured and not bool(gamma.any()) else 0
         return gamma
+
+    def falls_due(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(n,)` bool: the rows `rows` that have taken AR steps long enough to probe again."""
+        return self.ar_streak[rows] >= self.probe_after[rows]
 
     def probe_could_pay(
         self, rows: torch.Tensor, remaining: torch.Tensor, gamma: torch.Tensor, due: torch.Tensor
@@ -218,7 +222,6 @@ class RowDraftLength:
         self.drafting_rounds_in_a_row = self.drafting_rounds_in_a_row + 1 if any_drafted else 0
         self.ar_streak[rows] = torch.where(drafting, 0, self.ar_streak[rows] + 1)
         if any_drafted:
-            self.hold = 0  # new acceptance: plan again
             positions = torch.arange(self.maximum)[None]
             mine = rows[drafting]
             self.accepted[mine] *= self.decay
