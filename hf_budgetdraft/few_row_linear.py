@@ -7,21 +7,28 @@ fraction of the memory bandwidth. `weight @ x^T` (the weight as the left operand
 streams each weight once on all threads; one row is doubled to take that path. Same products, summed in another
 order: outputs agree with `F.linear` to float rounding.
 
-`few_row_linears(model)` swaps the `forward` of `model`'s plain `nn.Linear` layers for the block (restored on
-exit); inputs of more than `MAX_ROWS` rows (a prefill) and anything autograd records still run `F.linear`.
+`few_row_linears(model)` runs `model`'s plain `nn.Linear` layers this way inside the block, for the code inside it
+only: `nn.Linear.forward` is wrapped once (on first use) to look its layer up in a `ContextVar` the block sets, so
+other threads and asyncio tasks using the same model keep `F.linear`, and no layer is ever written to. Inputs of more
+than `MAX_ROWS` rows (a prefill), anything autograd records and anything `torch.compile` traces still run `F.linear`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 64  # the measured range where weight @ x^T beat F.linear for a target's layers on this CPU path
+# ids of the layers that run few_row_linear in this context (a new frozenset per block, never mutated)
+_LAYERS: ContextVar[frozenset[int]] = ContextVar("budgetdraft_few_row_layers", default=frozenset())
+_loaded_forward = nn.Linear.forward
+_install_lock = threading.Lock()
 
 
 def few_row_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -50,24 +57,38 @@ def _eligible(module: nn.Module) -> bool:
         type(module) is nn.Linear
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
-        and "forward" not in module.__dict__  # a forward set on the instance (ours, the user's) is left alone
+        and "forward" not in module.__dict__  # a forward the user set on the instance is left alone
     )
 
 
-def few_row_linears(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager:
-    """Run `model`'s plain float32 CPU `nn.Linear` layers through `few_row_linear` inside the block (`enabled=False`:
-    untouched); their own `forward` is back on exit."""
-    return swapped_forward([m for m in model.modules() if _eligible(m)] if enabled else [], few_row_linear)
+def _scoped_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if not torch.compiler.is_compiling() and runs_few_row(self):
+        return few_row_linear(self, input)
+    return _loaded_forward(self, input)
+
+
+def runs_few_row(layer: nn.Module) -> bool:
+    """Whether `layer` runs `few_row_linear` here (inside a `few_row_linears` block of this thread / task)."""
+    return id(layer) in _LAYERS.get()
+
+
+def _install() -> None:
+    with _install_lock:
+        if nn.Linear.forward is not _scoped_forward:
+            nn.Linear.forward = _scoped_forward
 
 
 @contextlib.contextmanager
-def swapped_forward(layers: list[nn.Module], forward: Callable) -> Iterator[None]:
-    """Each of `layers` runs `forward(layer, *args)` inside the block (set on the instance, which `_eligible` then
-    leaves alone); the class's own `forward` is back on exit."""
-    for layer in layers:
-        layer.forward = types.MethodType(forward, layer)
+def few_row_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Run `model`'s plain float32 CPU `nn.Linear` layers through `few_row_linear` inside the block, in this thread /
+    task only (`enabled=False`: untouched)."""
+    layers = frozenset(id(m) for m in model.modules() if _eligible(m)) if enabled else frozenset()
+    if not layers:
+        yield
+        return
+    _install()
+    token = _LAYERS.set(_LAYERS.get() | layers)
     try:
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+        _LAYERS.reset(token)

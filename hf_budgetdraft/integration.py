@@ -6,7 +6,8 @@
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
   static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa` and (float32 on CPU) on
-  few-row linear layers; all restored after.
+  few-row linear layers — for that call only (`attention/scoped.py`, `few_row_linear.py`): the models are
+  never written to, so calls in other threads on the same models are unaffected.
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
@@ -40,6 +41,8 @@ from transformers.generation.utils import GenerationMixin, GenerationMode
 from .attention.fast_sdpa import register as register_fast_sdpa
 from .attention.query_capture import CAPTURE_PREFIX
 from .attention.query_capture import register as register_query_capture
+from .attention.scoped import install as install_scoped_attention
+from .attention.scoped import using_attention
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
@@ -47,7 +50,7 @@ from .few_row_linear import few_row_linears
 from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
-from .generation.fast_path import DraftPlan, resolve_plan, using_attention, verify_attention
+from .generation.fast_path import DraftPlan, resolve_plan, verify_attention
 from .generation.mtp import (
     AdaptiveMtpCandidateGenerator,
     expose_mtp_layers,
@@ -84,6 +87,7 @@ def _check_assistant(
             f"cache_implementation={name!r} needs a drafter sharing the target's tokenizer; drop tokenizer=/"
             "assistant_tokenizer= (universal assisted generation is not supported with sparse draft caches)"
         )
+    _check_devices(target, assistant_model)
     # transformers itself refuses most mismatches first ("different tokenizers"); this also covers the rest
     target_vocab = target.config.get_text_config().vocab_size
     draft_vocab = assistant_model.config.get_text_config().vocab_size
@@ -91,6 +95,34 @@ def _check_assistant(
         raise ValueError(
             f"drafter vocab_size={draft_vocab} differs from the target's vocab_size={target_vocab}; the drafter "
             "must share the target's tokenizer and vocabulary"
+        )
+
+
+def _check_prompt(target, input_ids) -> None:
+    """Refuse a prompt a speculative call cannot start from: empty, or past the target's position limit."""
+    if input_ids is None:
+        return
+    length = input_ids.shape[-1]
+    if length == 0:
+        raise ValueError(
+            f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}); speculative decoding continues a "
+            "prompt of at least one token: pass the tokenizer's BOS token (or any prefix) as the prompt"
+        )
+    limit = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if isinstance(limit, int) and length > limit:
+        raise ValueError(
+            f"the prompt has {length} tokens, more than the target's max_position_embeddings={limit}; truncate the "
+            "prompt (keep its last tokens) or load a target configured for longer context (e.g. RoPE scaling)"
+        )
+
+
+def _check_devices(target, assistant_model) -> None:
+    """The target and the drafter run on one device (their dtypes may differ: the draft's logits are compared in
+    float32)."""
+    if assistant_model is not None and assistant_model.device != target.device:
+        raise ValueError(
+            f"the target is on {target.device} and the drafter on {assistant_model.device}; speculative decoding "
+            f"runs both on one device: move the drafter with drafter.to({str(target.device)!r})"
         )
 
 
@@ -153,12 +185,14 @@ def _get_candidate_generator(
         if plan is None:  # reached without generate(): resolve here (no attention switch)
             _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
             plan = _plan(self, assistant_model, generation_config)
+        with plan.drafting(assistant_model)():  # a static cache checks the attention its drafter runs
+            draft_cache = plan.spec.build_cache(assistant_model.config)
         generator = SparseDraftCandidateGenerator(
             input_ids=input_ids,
             assistant_model=assistant_model,
             generation_config=generation_config,
             model_kwargs=model_kwargs,
-            draft_cache=plan.spec.build_cache(assistant_model.config),
+            draft_cache=draft_cache,
             plan=plan,
             inputs_tensor=inputs_tensor,
             logits_processor=logits_processor,
@@ -182,7 +216,7 @@ def _plan(target, assistant_model, generation_config, batched: bool = False) -> 
 
 
 def _assisted_decoding(self, *args, **kwargs):
-    """Sparse-draft calls run inside their `DraftPlan`: attention set for the call, restored after. A batch of
+    """Sparse-draft calls run inside their `DraftPlan`, scoped to this call (the models are not written to). A batch of
     more than one row runs the batched loop (`generation/batched.py`)."""
     generation_config = kwargs.get("generation_config")
     assistant_model = kwargs.get("assistant_model")
@@ -194,6 +228,8 @@ def _assisted_decoding(self, *args, **kwargs):
         generation_config is not None
         and generation_config.cache_implementation in SPARSE_CACHE_IMPLEMENTATIONS
     )
+    if sparse:
+        _check_prompt(self, input_ids)
     if sparse and builtin_draft and input_ids is not None and input_ids.shape[0] > 1:
         raise ValueError(
             f"use_mtp=True / speculation_type='dflash' with cache_implementation="
@@ -221,11 +257,11 @@ def _assisted_decoding(self, *args, **kwargs):
     if stats is not None:
         stats.plan = plan
     if batched:
-        with plan.applied(self, assistant_model):
+        with plan.applied(self):
             return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
     token = _current_plan.set(plan)
     try:
-        with plan.applied(self, assistant_model):
+        with plan.applied(self):
             return _originals["_assisted_decoding"](self, *args, **kwargs)
     finally:
         _current_plan.reset(token)
@@ -296,6 +332,7 @@ def install() -> None:
     """Register the sparse cache implementations with transformers' `generate()` (idempotent)."""
     if _originals:
         return
+    install_scoped_attention()
     register_query_capture()
     register_fast_sdpa()
     register_varlen()

@@ -24,10 +24,11 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .attention.fast_sdpa import NAME as FAST_SDPA
+from .attention.scoped import using_attention
 from .cache.base import cache_nbytes
 from .cache.growable import GrowableCache
 from .few_row_linear import few_row_linears
-from .generation.fast_path import draft_step_compile_config, using_attention
+from .generation.fast_path import draft_step_compile_config
 from .generation.spec import DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
 

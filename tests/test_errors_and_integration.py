@@ -65,6 +65,36 @@ def test_vocab_mismatch():
 
 
 @pytest.mark.parametrize("name", ["sink_window", "budgeted"])
+def test_prompts_a_call_cannot_start_from(name):
+    target, drafter = model_pair("llama", num_assistant_tokens=None)
+    call = dict(assistant_model=drafter, max_new_tokens=4, cache_implementation=name)
+    with pytest.raises(ValueError, match=r"the prompt is empty \(input_ids of shape \(1, 0\)\)"):
+        target.generate(random_prompt(8)[:, :0], **call)
+    limit = target.config.max_position_embeddings
+    with pytest.raises(
+        ValueError, match=f"{limit + 1} tokens, more than the target's max_position_embeddings"
+    ):
+        target.generate(random_prompt(limit + 1), **call)
+
+
+def test_target_and_drafter_on_different_devices_are_refused():
+    target, drafter = model_pair("llama", num_assistant_tokens=None)
+    with pytest.raises(ValueError, match="the target is on cpu and the drafter on meta"):
+        _generate(target, drafter.to("meta"), cache_implementation="budgeted")
+
+
+def test_a_drafter_of_another_dtype_drafts_losslessly():
+    target, drafter = model_pair("llama", num_assistant_tokens=None)
+    target = target.to(torch.bfloat16)  # the drafter stays float32
+    ids = random_prompt(200)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=12)
+    out = target.generate(
+        ids, assistant_model=drafter, do_sample=False, max_new_tokens=12, cache_implementation="budgeted"
+    )
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["sink_window", "budgeted"])
 def test_lossy_mode_takes_padded_batches(name):
     """Without a draft, a left-padded batch on a sparse cache: each row equals that row generated alone on the same
     sparse cache (its sink / selection is of its own tokens); beam search stays a clear error."""

@@ -1,5 +1,7 @@
 """`few_row_linear`: `F.linear`'s result (to float rounding) for a decode step's few rows, `F.linear` itself beyond
-`MAX_ROWS` and under autograd, and swapped in only for the block it is asked for."""
+`MAX_ROWS` and under autograd, and run only inside the block it is asked for, by the thread that entered it."""
+
+import threading
 
 import pytest
 import torch
@@ -8,7 +10,13 @@ from tiny_models import model_pair, random_prompt
 from torch import nn
 
 from hf_budgetdraft import record_speculation
-from hf_budgetdraft.few_row_linear import MAX_ROWS, few_row_linear, few_row_linear_applies, few_row_linears
+from hf_budgetdraft.few_row_linear import (
+    MAX_ROWS,
+    few_row_linear,
+    few_row_linear_applies,
+    few_row_linears,
+    runs_few_row,
+)
 from hf_budgetdraft.timing import ar_setup
 
 
@@ -38,32 +46,40 @@ def test_more_rows_and_autograd_run_f_linear_itself():
     assert layer.weight.grad is not None
 
 
-def _is_few_row(module) -> bool:
-    return getattr(module.__dict__.get("forward"), "__func__", None) is few_row_linear
-
-
 def _swapped(model) -> bool:
-    return any(_is_few_row(m) for m in model.modules())
+    return any(runs_few_row(m) for m in model.modules())
 
 
 class _OwnLinear(nn.Linear):
     pass
 
 
-def test_swaps_plain_float32_cpu_linears_for_the_block_only():
+def test_runs_plain_float32_cpu_linears_for_the_block_only():
     custom = nn.Linear(8, 8)
     custom.forward = lambda x: x  # an instance forward set by someone else is left alone
     model = nn.Sequential(nn.Linear(8, 8), _OwnLinear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), custom)
     with few_row_linears(model):
-        patched = [_is_few_row(m) for m in model]
+        patched = [runs_few_row(m) for m in model]
+        assert torch.equal(model[0](torch.ones(1, 8)), few_row_linear(model[0], torch.ones(1, 8)))
     assert patched == [True, False, False, False]
-    assert [("forward" in m.__dict__) for m in model] == [False, False, False, True]
+    assert [("forward" in m.__dict__) for m in model] == [False, False, False, True]  # no layer is written to
     with pytest.raises(RuntimeError, match="boom"), few_row_linears(model):
         raise RuntimeError("boom")
-    assert "forward" not in model[0].__dict__
+    assert not runs_few_row(model[0])
     with few_row_linears(model, enabled=False):
-        assert "forward" not in model[0].__dict__
+        assert not runs_few_row(model[0])
     assert few_row_linear_applies(model) and not few_row_linear_applies(nn.Sequential(_OwnLinear(8, 8)))
+
+
+def test_another_thread_keeps_f_linear_while_a_block_is_open():
+    model = nn.Sequential(nn.Linear(8, 8))
+    seen = []
+    with few_row_linears(model):
+        thread = threading.Thread(target=lambda: seen.append(runs_few_row(model[0])))
+        thread.start()
+        thread.join()
+        seen.append(runs_few_row(model[0]))
+    assert seen == [False, True]
 
 
 def test_the_fast_ar_setup_and_the_one_liner_use_it_and_restore_it():

@@ -28,6 +28,7 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 
 from .common import family_eager_attention
 from .fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
+from .scoped import using_attention
 from .varlen import budgetdraft_varlen_attention_forward, budgetdraft_varlen_mask
 
 CAPTURE_PREFIX = "budgetdraft_capture_"
@@ -145,7 +146,7 @@ class _OpCapture(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def query_capture(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
-    """Run `model` with query capture on; restores its attention implementation on exit.
+    """Run `model` with query capture on inside the block, in this thread / task only (`using_attention`).
 
     A model that dispatches through transformers' `AttentionInterface` runs the capturing attention; one whose
     attention calls torch directly (`_can_set_attn_implementation()` is False, e.g. Falcon) keeps its attention
@@ -161,17 +162,14 @@ def query_capture(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         with _OpCapture():
             yield model
         return
-    original = model.config._attn_implementation
-    if original.startswith(CAPTURE_PREFIX):
+    current = model.config._attn_implementation
+    if current.startswith(CAPTURE_PREFIX):
         yield model
         return
-    if original not in _BASES:
+    if current not in _BASES:
         raise ValueError(
-            f"query capture wraps attn_implementation {sorted(_BASES)}, got {original!r}; load the drafter with "
+            f"query capture wraps attn_implementation {sorted(_BASES)}, got {current!r}; load the drafter with "
             "attn_implementation='sdpa' to use a query-scored policy (snapkv, chunk with query_proxy='last_query')"
         )
-    model.set_attn_implementation(CAPTURE_PREFIX + original)
-    try:
+    with using_attention(model, CAPTURE_PREFIX + current):
         yield model
-    finally:
-        model.set_attn_implementation(original)

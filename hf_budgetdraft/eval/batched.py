@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.fast_sdpa import NAME as FAST_SDPA
+from ..attention.scoped import using_attention
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
 from ..few_row_linear import few_row_linears
 from ..generation.batched import full_draft_cache
-from ..generation.fast_path import using_attention
 from ..generation.stats import SpeculationStats, record_speculation
 from ..timing import ChunkTimer as _TimingStreamer
 

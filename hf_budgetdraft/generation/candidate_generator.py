@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -23,6 +24,7 @@ from .fast_path import DraftPlan, record_eager_steps
 from .lean_step import LeanDraftStep, same_logits
 
 logger = logging.get_logger(__name__)
+_first_compiled_call = threading.Lock()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -79,6 +81,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self._compile_checked = False
         self._lean = LeanDraftStep(assistant_model) if plan.spec.lean_step else None
         self._lean_checked = False
+        self._drafting = plan.drafting(assistant_model)
         self.draft_prefill_seconds = 0.0
 
     # -- a round -------------------------------------------------------------------------------------------------
@@ -90,7 +93,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.num_assistant_tokens = self.draft_length.next_length()
         candidates, logits = input_ids, None
         if self.num_assistant_tokens > 0:
-            candidates, logits = super().get_candidates(input_ids)
+            with self._drafting():
+                candidates, logits = super().get_candidates(input_ids)
         self.clock.drafted(candidates.shape[-1] - input_ids.shape[-1])
         return candidates, logits
 
@@ -185,7 +189,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         op), warn once and keep drafting eagerly — unless the failed call already wrote to the cache."""
         lengths = self._static_lengths()
         try:
-            logits = self._draft_step(**inputs).logits[:, -1, :]
+            with _first_compiled_call:  # one thread compiles; the others then reuse its graph
+                logits = self._draft_step(**inputs).logits[:, -1, :]
         except Exception as error:  # any compiler failure; the eager step is the same computation
             if self._static_lengths() != lengths:
                 raise

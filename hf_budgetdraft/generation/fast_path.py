@@ -28,13 +28,14 @@ import functools
 import inspect
 import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import CompileConfig, GenerationConfig
 
 from ..attention.fast_sdpa import NAME as FAST_SDPA
+from ..attention.scoped import attention_scope, using_attention
 from ..attention.varlen import NAME as VARLEN
 from ..few_row_linear import few_row_linear_applies, few_row_linears
 from .lean_step import lean_step_problem
@@ -136,29 +137,16 @@ class DraftPlan:
     compile_config: CompileConfig | None = None
 
     @contextlib.contextmanager
-    def applied(self, target, drafter) -> Iterator[None]:
-        """Set the plan's attention implementations (and the target's linear layers) on the two models; restore them
-        on exit."""
-        with (
-            using_attention(target, self.target_attention),
-            using_attention(drafter, self.draft_attention),
-            few_row_linears(target, self.target_linear),
-        ):
+    def applied(self, target) -> Iterator[None]:
+        """The target's side of the plan inside the block, for this thread / task only: its verification attention
+        and few-row linear layers. The models themselves are never written to."""
+        with using_attention(target, self.target_attention), few_row_linears(target, self.target_linear):
             yield
 
-
-@contextlib.contextmanager
-def using_attention(model, implementation: str | None) -> Iterator[None]:
-    """Run `model` on attention `implementation` inside the block (`None`: as it is); restored on exit."""
-    original = model.config._attn_implementation
-    if implementation is None or implementation == original:
-        yield
-        return
-    model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(original)
+    def drafting(self, drafter) -> Callable[[], contextlib.AbstractContextManager]:
+        """The drafter's side: a scope to enter around each draft phase (and the draft cache's construction), which
+        runs the drafter on `draft_attention`; a model that drafts for itself verifies outside it."""
+        return attention_scope(drafter, self.draft_attention)
 
 
 _LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")

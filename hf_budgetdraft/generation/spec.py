@@ -87,7 +87,7 @@ class DraftSpec:
             default `min(16, slack)`).
         fast_verify (`bool`, defaults to `True`): for the call, a target loaded with `sdpa` verifies on
             `budgetdraft_sdpa` (no KV copies) and a float32 target on CPU runs its linear layers as few-row GEMMs
-            on every thread (`few_row_linear.py`); results agree to float rounding; restored after.
+            on every thread (`few_row_linear.py`); results agree to float rounding; for the call only.
         prefill_window (`int`, `None` or `"auto"`): the drafter prefills a prompt longer than this in chunks of
             this many tokens, each reading the `num_sink_tokens` sink and the `prefill_window` tokens before it
             (`cache/windowed_prefill.py`): O(L·W) instead of O(L²). Its keys beyond the first layer then differ
