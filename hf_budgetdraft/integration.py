@@ -1,4 +1,4 @@
-"""The one place that hooks into transformers' `generate()` (tested against the pinned 5.24 range).
+"""The one place that hooks into transformers' `generate()` (the releases it supports: `compat.py`).
 
 `install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
 `"budgeted"` valid and wraps four `GenerationMixin` steps:
@@ -34,9 +34,11 @@ import functools
 import inspect
 from contextvars import ContextVar
 
+import transformers
 from transformers import PreTrainedConfig
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin, GenerationMode
+from transformers.utils import logging
 
 from .attention.fast_sdpa import register as register_fast_sdpa
 from .attention.query_capture import CAPTURE_PREFIX
@@ -46,6 +48,7 @@ from .attention.scoped import using_attention
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
+from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .few_row_linear import few_row_linears
 from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
@@ -61,6 +64,7 @@ from .generation.mtp import (
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 
+logger = logging.get_logger(__name__)
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES
 
 _originals: dict[str, object] = {}
@@ -278,14 +282,14 @@ def _prepare_cache_for_generation(
         # with a draft, the target keeps a full cache (only the draft's is sparse), sized for the whole call
         # (prompt + max_new_tokens): appends in place, never grows unless the call overshoots
         capacity = min(max(1, max_cache_length), MAX_CACHE_TOKENS)
-        model_kwargs["cache"] = GrowableCache(config=self.config, initial_capacity=capacity)
+        model_kwargs[CACHE_KWARG] = GrowableCache(config=self.config, initial_capacity=capacity)
         return
     if name not in SPARSE_CACHE_IMPLEMENTATIONS or generation_mode == GenerationMode.ASSISTED_GENERATION:
         return _originals["_prepare_cache_for_generation"](
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
-    if model_kwargs.get("cache") is not None:
-        raise ValueError("pass either cache_implementation= or cache=, not both")
+    if model_kwargs.get(CACHE_KWARG) is not None:
+        raise ValueError(f"pass either cache_implementation= or {CACHE_KWARG}=, not both")
     cache = build_sparse_cache(name, self.config, generation_config.cache_config)
     policy = getattr(cache, "policy", None)
     if (
@@ -297,7 +301,7 @@ def _prepare_cache_for_generation(
             f"policy={policy.name!r} scores the prefix with queries; without a draft, run the call inside "
             "`with hf_budgetdraft.query_capture(model):`"
         )
-    model_kwargs["cache"] = cache
+    model_kwargs[CACHE_KWARG] = cache
 
 
 def _sample(self, *args, **kwargs):
@@ -317,7 +321,7 @@ def _can_use_growable(model, generation_config, model_kwargs) -> bool:
     """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise."""
     windowed_mtp_fast = generation_config.use_mtp and mtp_fast_verify(generation_config.cache_config)
     return (
-        model_kwargs.get("cache") is None
+        model_kwargs.get(CACHE_KWARG) is None
         # windowed DFlash keeps the target cache native DFlash uses; windowed MTP too with fast_verify=False
         and (windowed_mtp_fast or not generation_config.use_mtp)
         and generation_config.speculation_type != "dflash"
@@ -328,10 +332,38 @@ def _can_use_growable(model, generation_config, model_kwargs) -> bool:
     )
 
 
+def _refusing_generate(message: str):
+    """`GenerationMixin.generate` refusing calls that name a sparse draft cache with `message`; others untouched."""
+    stock_generate = GenerationMixin.generate
+
+    @functools.wraps(stock_generate)
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
+        name = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        if name in SPARSE_CACHE_IMPLEMENTATIONS:
+            raise RuntimeError(message)
+        return stock_generate(self, *args, **kwargs)
+
+    return generate
+
+
 def install() -> None:
-    """Register the sparse cache implementations with transformers' `generate()` (idempotent)."""
+    """Register the sparse cache implementations with transformers' `generate()` (idempotent). On a transformers
+    that lacks a patch point (`compat.patch_point_problems()`), calls naming a sparse cache are refused instead."""
     if _originals:
         return
+    problems = patch_point_problems()
+    if problems:
+        _originals["generate"] = GenerationMixin.generate
+        GenerationMixin.generate = _refusing_generate(refusal(problems))
+        logger.warning(refusal(problems))
+        return
+    if not installed_is_tested():
+        logger.warning(
+            f"hf-budgetdraft is tested with transformers {TESTED[0]} to {TESTED[1]}, not {transformers.__version__}; "
+            "every patch point it relies on is there, so speculative calls run, untested "
+            "(scripts/check_transformers.sh checks a release)"
+        )
     install_scoped_attention()
     register_query_capture()
     register_fast_sdpa()

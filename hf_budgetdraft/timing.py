@@ -27,6 +27,7 @@ from .attention.fast_sdpa import NAME as FAST_SDPA
 from .attention.scoped import using_attention
 from .cache.base import cache_nbytes
 from .cache.growable import GrowableCache
+from .compat import CACHE_KWARG, output_cache
 from .few_row_linear import few_row_linears
 from .generation.fast_path import draft_step_compile_config
 from .generation.spec import DraftSpec
@@ -188,7 +189,7 @@ def timed_generate(
         first_chunk_tokens=streamer.counts[0] if streamer.counts else len(new_ids),
         stats=stats,
         draft_cache_bytes=cache_nbytes(draft_cache) if draft_cache is not None else None,
-        target_cache_bytes=cache_nbytes(output.cache) if output.cache is not None else None,
+        target_cache_bytes=cache_nbytes(output_cache(output)) if output_cache(output) is not None else None,
         peak_rss_bytes=peak_rss_bytes(),
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
     )
@@ -209,7 +210,7 @@ def ar_setup(target, setup: str | None, capacity: int) -> Iterator[dict]:
         raise ValueError(f"setup must be None or one of {AR_SETUPS}, got {setup!r}")
     kwargs = {}
     if setup in ("growable", "fast"):
-        kwargs["cache"] = GrowableCache(config=target.config, initial_capacity=capacity)
+        kwargs[CACHE_KWARG] = GrowableCache(config=target.config, initial_capacity=capacity)
     with (
         using_attention(target, {"stock": "sdpa", "fast": FAST_SDPA}.get(setup)),
         few_row_linears(target, setup == "fast"),

@@ -17,6 +17,7 @@ from hf_budgetdraft.attention import fast_sdpa
 from hf_budgetdraft.attention.ragged_rows import row_by_row_attention
 from hf_budgetdraft.cache.ragged import RaggedCache
 from hf_budgetdraft.cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation import batched as batched_module
 from hf_budgetdraft.generation.batched import MAX_BATCH_SIZE, left_padding
 
@@ -172,21 +173,23 @@ def test_ragged_rows_match_independent_caches(kind, lengths, steps):
         for row, length in enumerate(lengths):
             prompt = torch.randint(0, 128, (1, length), generator=generator)
             ragged.prefill_row(row, length, prompt.device)
-            got = drafter(input_ids=prompt, cache=ragged, use_cache=True).logits
-            want = drafter(input_ids=prompt, cache=singles[row], use_cache=True).logits
+            got = drafter(input_ids=prompt, **cache_kwargs(ragged), use_cache=True).logits
+            want = drafter(input_ids=prompt, **cache_kwargs(singles[row]), use_cache=True).logits
             torch.testing.assert_close(got, want)
         for width, seed in steps:
             tokens = torch.randint(0, 128, (batch, width), generator=torch.Generator().manual_seed(seed))
             positions = ragged.lengths[:, None] + torch.arange(width)
             mask = ragged.step_mask(width, drafter.dtype)
-            got = drafter(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=ragged).logits
+            got = drafter(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(ragged)
+            ).logits
             remove = torch.randint(0, width + 1, (batch,), generator=torch.Generator().manual_seed(seed + 1))
             for row in range(batch):
                 start = singles[row].get_seq_length()
                 want = drafter(
                     input_ids=tokens[row : row + 1],
                     position_ids=torch.arange(start, start + width)[None],
-                    cache=singles[row],
+                    **cache_kwargs(singles[row]),
                 ).logits
                 torch.testing.assert_close(got[row : row + 1], want, rtol=1e-4, atol=1e-5)
                 if int(remove[row]):
@@ -200,7 +203,7 @@ def test_crop_rows_refuses_what_the_ring_lost():
     cache = _ragged("sink_window", drafter.config, 1)
     with torch.no_grad():
         cache.prefill_row(0, 20, torch.device("cpu"))
-        drafter(input_ids=torch.arange(20)[None], cache=cache)
+        drafter(input_ids=torch.arange(20)[None], **cache_kwargs(cache))
         for _ in range(3):  # 12 tokens written: more than the slack (4) can roll back
             mask = cache.step_mask(4, drafter.dtype)
             positions = cache.lengths[:, None] + torch.arange(4)
@@ -208,7 +211,7 @@ def test_crop_rows_refuses_what_the_ring_lost():
                 input_ids=torch.ones(1, 4, dtype=torch.long),
                 attention_mask=mask,
                 position_ids=positions,
-                cache=cache,
+                **cache_kwargs(cache),
             )
     with pytest.raises(ValueError, match="already overwritten"):
         cache.crop_rows(torch.tensor([12]))

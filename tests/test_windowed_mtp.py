@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from tiny_models import random_prompt
+from tiny_models import random_prompt, skip_unless_known, skip_unless_static
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
@@ -12,6 +12,7 @@ from transformers.modeling_layers import MtpModel
 from hf_budgetdraft import cache_nbytes, record_speculation
 from hf_budgetdraft.cache import WindowedMtpCache
 from hf_budgetdraft.cache.static import StaticDraftLayer
+from hf_budgetdraft.compat import output_cache
 from hf_budgetdraft.generation import mtp as mtp_module
 from hf_budgetdraft.generation.draft_length import DraftLength
 from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
@@ -71,6 +72,7 @@ def tmp_root(tmp_path_factory):
 
 
 def load(family, tmp_root, num_mtp_layers=1):
+    skip_unless_known(family)
     path = _saved_mtp_model(family, num_mtp_layers, tmp_root)
     return expose_mtp_layers(AutoModelForCausalLM.from_pretrained(path)).eval()
 
@@ -100,6 +102,7 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     """`cache_config={"static": True}`: every draft forward after the prefill (one-token steps and the multi-token
     absorption of a round's verified tokens) is a slot-order step, and the drafts equal the dynamic ring's."""
     model = load(family, tmp_root, num_mtp_layers)
+    skip_unless_static(model)
     ids = random_prompt(400)
     expected = model.generate(ids, do_sample=False, max_new_tokens=32)
     fixed = {**WINDOW, "draft_length": num_mtp_layers}  # every round drafts: rounds comparable across runs
@@ -282,7 +285,7 @@ def test_windowed_mtp_verifies_on_the_fast_target_path(tmp_root):
             cache_implementation="sink_window",
             return_dict_in_generate=True,
         )
-        assert type(fast.cache).__name__ == "GrowableCache" and set(seen) == {"budgetdraft_sdpa"}
+        assert type(output_cache(fast)).__name__ == "GrowableCache" and set(seen) == {"budgetdraft_sdpa"}
         seen.clear()
         slow = model.generate(
             ids,
@@ -292,7 +295,7 @@ def test_windowed_mtp_verifies_on_the_fast_target_path(tmp_root):
             cache_config={"fast_verify": False},
             return_dict_in_generate=True,
         )
-        assert type(slow.cache).__name__ == "DynamicCache" and set(seen) == {"sdpa"}
+        assert type(output_cache(slow)).__name__ == "DynamicCache" and set(seen) == {"sdpa"}
     finally:
         hook.remove()
     assert model.config._attn_implementation == "sdpa" and torch.equal(fast.sequences, slow.sequences)

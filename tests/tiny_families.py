@@ -12,7 +12,7 @@ import functools
 import re
 
 import torch
-from tiny_models import COMMON, FAMILIES
+from tiny_models import COMMON, FAMILIES, skip_unless_known
 from tiny_models import model_pair as base_model_pair
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -87,6 +87,7 @@ _ATTENTION_OUTPUT = re.compile(
 
 def more_config(family: str, num_layers: int = 2):
     model_type, overrides, _ = MORE_FAMILIES[family]
+    skip_unless_known(model_type)
     kwargs = {**COMMON, **overrides, "num_hidden_layers": num_layers}
     for key in [k for k, v in overrides.items() if v is None]:
         kwargs.pop(key)

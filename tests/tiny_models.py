@@ -13,8 +13,10 @@ import copy
 import functools
 import re
 
+import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 COMMON = dict(
     vocab_size=128,
@@ -99,3 +101,20 @@ def random_prompt(length: int, seed: int = 0, vocab_size: int = 128) -> torch.Lo
 
 def supports(family: str, attn_implementation: str) -> bool:
     return not (family == "gemma2" and attn_implementation == "sdpa")
+
+
+def skip_unless_known(model_type: str) -> None:
+    """Skip a test whose model family the installed transformers lacks (an older release of the supported range)."""
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
+
+
+def skip_unless_static(model) -> None:
+    """Skip a test of a static draft cache on a transformers whose attention layers do not pass their kwargs to
+    `cache.update` (before 5.24): there the one-liner drafts on the dynamic cache."""
+    from hf_budgetdraft.generation.fast_path import supports_static_cache
+
+    if not supports_static_cache(model):
+        pytest.skip(
+            f"{type(model).__name__} cannot run a static draft cache on transformers {transformers.__version__}"
+        )

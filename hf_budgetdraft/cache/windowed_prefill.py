@@ -16,6 +16,8 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..compat import cache_kwargs
+
 
 class WindowedPrefillLayer(CacheLayerMixin):
     """One layer's whole prompt `(B, H, L, D)`, written chunk by chunk; each chunk reads `[sink, window, chunk]`."""
@@ -125,7 +127,9 @@ def windowed_prefill(
     for start in range(0, length, window_length):
         chunk = prompt_ids[:, start : start + window_length]
         positions = torch.arange(start, start + chunk.shape[1], device=prompt_ids.device)[None]
-        out = model(input_ids=chunk, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=chunk, position_ids=positions, **cache_kwargs(cache), use_cache=True, logits_to_keep=1
+        )
         logits = out.logits[:, -1]
     return cache, logits
 

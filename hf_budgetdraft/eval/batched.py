@@ -25,6 +25,7 @@ from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.scoped import using_attention
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
+from ..compat import cache_kwargs, output_cache
 from ..few_row_linear import few_row_linears
 from ..generation.batched import full_draft_cache
 from ..generation.stats import SpeculationStats, record_speculation
@@ -78,7 +79,11 @@ def run_batch_ar(target, ids, mask, new_tokens: int, sampling: dict | None = Non
     with using_attention(target, FAST_SDPA), few_row_linears(target):
         start = time.perf_counter()
         out = target.generate(
-            ids, attention_mask=mask, cache=cache, streamer=streamer, **_kwargs(new_tokens, sampling)
+            ids,
+            attention_mask=mask,
+            **cache_kwargs(cache),
+            streamer=streamer,
+            **_kwargs(new_tokens, sampling),
         )
         seconds = time.perf_counter() - start
     return BatchRun(
@@ -119,7 +124,7 @@ def run_batch_speculative(
         seconds = time.perf_counter() - start
     # a batch reports the bytes of its ragged caches with every row in; one row (the single-sequence path) its
     # target cache and draft cache
-    single = getattr(out, "cache", None)
+    single = output_cache(out)
     speculation = stats.candidate_generator
     sizes = getattr(speculation, "cache_bytes", None) or {
         "target": cache_nbytes(single) if single is not None else 0,

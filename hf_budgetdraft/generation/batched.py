@@ -46,6 +46,7 @@ from ..attention.query_capture import query_capture
 from ..attention.ragged_rows import ragged_rows
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache
+from ..compat import cache_kwargs
 from .acceptance import greedy_accept, speculative_accept
 from .candidate_generator import make_draft_length
 from .draft_length import FixedDraftLength
@@ -133,7 +134,7 @@ class BatchedSpeculation:
             cache.prefill_row(row, length, self.prompt.device)
             ids = self.tokens[row : row + 1, :length]
             with query_capture(model) if capture else contextlib.nullcontext():
-                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits)
 
@@ -146,7 +147,11 @@ class BatchedSpeculation:
         mask = cache.step_mask(tokens.shape[1], model.dtype, needed)
         with ragged_rows(cache):
             out = model(
-                input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_kwargs(cache),
+                use_cache=True,
             )
         return out.logits.float()
 

@@ -13,6 +13,7 @@ from transformers.utils import logging
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, SparseDraftCache
 from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
+from ..compat import CACHE_KWARG, activate_past_recording, cache_kwargs, prepare_draft_inputs
 from .draft_length import (
     AdaptiveDraftLength,
     DraftLength,
@@ -66,9 +67,12 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         super().__init__(
             input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor, logits_processor
         )
-        draft_cache.activate_past_recording()  # sliding-window layers (if any) must be able to roll back too
+        activate_past_recording(draft_cache)  # sliding-window layers (if any) must be able to roll back too
+        # the draft's own generate() (nested, for batches) is handed the draft cache itself, never a cache name
+        # (transformers resets it from 5.24 on)
+        self.generation_config.cache_implementation = None
         self.draft_cache = draft_cache
-        self.assistant_kwargs["cache"] = draft_cache
+        self.assistant_kwargs[CACHE_KWARG] = draft_cache
         self.plan = plan
         self.draft_length = make_draft_length(plan)
         self.clock = RoundClock(self.draft_length, assistant_model.device)
@@ -103,13 +107,21 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         if self.clock.drafted_tokens and self.plan.spec.static and not self._compiled:
             record_eager_steps(self.assistant_model, self.clock.draft_seconds)
 
-    def _update_past_and_masks(
-        self, input_ids: torch.LongTensor, remove_from_pkv: int = 0, num_added_tokens: int = 1
-    ):
-        # Roll back exactly the rejected draft tokens, so the cache holds tokens [0, len - 1) and only the newest
-        # token is fed. transformers' default also re-feeds the last accepted token, which would roll back into a
-        # budgeted cache's compressed prefix right after the prefill.
-        return super()._update_past_and_masks(input_ids, remove_from_pkv, num_added_tokens=0)
+    def _update_past_and_masks(self, input_ids: torch.LongTensor, *args, **kwargs) -> bool:
+        """Roll back exactly the rejected draft tokens, so the cache holds tokens `[0, L - 1)` of `input_ids (1, L)`
+        and only the newest token is fed. transformers' own step (whose arguments change between releases) can also
+        re-feed the last accepted token, which would roll back into a budgeted cache's compressed prefix right after
+        the prefill."""
+        cache = self.assistant_kwargs.get(CACHE_KWARG)
+        if cache is None:
+            return False
+        excess = int(cache.get_seq_length()) - (input_ids.shape[-1] - 1)
+        if excess >= 0:
+            cache.crop(-excess)
+        self.assistant_kwargs = prepare_draft_inputs(
+            self.assistant_kwargs, input_ids.shape[-1], self.assistant_model.config.is_encoder_decoder
+        )
+        return True
 
     def _generate_candidates(self, generation_args: dict):
         if generation_args[self.input_ids_key].shape[0] != 1:  # batches keep the nested assistant generate()
@@ -139,7 +151,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             # an all-ones mask changes nothing, and its growing length would recompile a compiled step
             "attention_mask": mask if padded else None,
             "position_ids": torch.arange(past, past + feed.shape[1], device=feed.device)[None],
-            "cache": self.draft_cache,
+            **cache_kwargs(self.draft_cache),
             "use_cache": True,
             "logits_to_keep": 1,
         }
@@ -164,7 +176,11 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self._lean_checked = True
         self.draft_cache.crop(-feed.shape[1])
         reference = self.assistant_model(
-            input_ids=feed, position_ids=positions, cache=self.draft_cache, use_cache=True, logits_to_keep=1
+            input_ids=feed,
+            position_ids=positions,
+            **cache_kwargs(self.draft_cache),
+            use_cache=True,
+            logits_to_keep=1,
         ).logits[:, -1, :]
         if not same_logits(logits, reference):
             logger.warning_once(

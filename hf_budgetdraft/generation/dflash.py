@@ -13,6 +13,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from ..cache.windowed import WindowedDFlashCache
+from ..compat import activate_past_recording
 
 OPTIONS = ("num_sink_tokens", "window_length", "slack")
 
@@ -35,5 +36,5 @@ def windowed_dflash_cache(drafter: PreTrainedModel, cache_config: dict | None) -
             f"noise block back, so pass slack >= {block_size}"
         )
     cache = WindowedDFlashCache(config=drafter.config, **options)
-    cache.activate_past_recording()
+    activate_past_recording(cache)
     return cache

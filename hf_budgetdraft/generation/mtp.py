@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from ..cache.sink_window import SinkWindowCache
 from ..cache.windowed import WindowedMtpCache
+from ..compat import activate_past_recording
 from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, RoundClock
 
 logger = logging.get_logger(__name__)
@@ -52,7 +53,7 @@ def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -
     cache = WindowedMtpCache(config=main_model.config.get_mtp_config(), **options)
     # natively sliding MTP layers (kept as they are) must keep what a rollback needs; depth 1 never rolls back
     if num_mtp_layers > 1:
-        cache.activate_past_recording()
+        activate_past_recording(cache)
     return cache
 
 

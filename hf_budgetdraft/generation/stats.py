@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compat import CACHE_KWARG
+
 
 @dataclass
 class SpeculationStats:
@@ -130,7 +132,7 @@ class SpeculationStats:
         for attribute in ("draft_cache", "mtp_cache", "cache"):
             if getattr(generator, attribute, None) is not None:
                 return getattr(generator, attribute)
-        return (getattr(generator, "assistant_kwargs", None) or {}).get("cache")
+        return (getattr(generator, "assistant_kwargs", None) or {}).get(CACHE_KWARG)
 
     def acceptance_per_position(self) -> list[tuple[int, int]]:
         """`(accepted, reached)` per draft position k: of the rounds whose draft reached position k (all

@@ -32,6 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from ..attention.query_capture import cancel_request, query_capture, request_queries
 from ..cache import BudgetedCache, KeepPolicy, SinkWindowCache, SparseDraftCache, SparseDraftLayer, get_policy
 from ..cache.windowed_prefill import windowed_prefill
+from ..compat import cache_kwargs
 
 VIEW_KINDS = ("budgeted", "sink_window")
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -131,7 +132,7 @@ def run_shared_prefix(
     recorder = Cache(layers=layers)
     capture = query_capture(base) if query_window else contextlib.nullcontext()
     with capture:
-        model(input_ids=prefix_ids, cache=recorder, use_cache=True, logits_to_keep=1)
+        model(input_ids=prefix_ids, **cache_kwargs(recorder), use_cache=True, logits_to_keep=1)
     if query_window and any(layer.query_window and layer.queries is None for layer in layers):
         for layer in layers:
             cancel_request(layer)
@@ -289,5 +290,5 @@ def view_logits(model: torch.nn.Module, continuation_ids: torch.LongTensor, cach
     mask = None
     if isinstance(cache, SparseDraftCache):
         mask = windowed_block_mask(model, cache, *continuation_ids.shape)
-    out = model(input_ids=continuation_ids, cache=cache, use_cache=True, attention_mask=mask)
+    out = model(input_ids=continuation_ids, **cache_kwargs(cache), use_cache=True, attention_mask=mask)
     return out.logits
