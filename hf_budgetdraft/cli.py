@@ -48,7 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args_into_dataclasses(args=argv[1:])
     except ValueError as error:
         parser.error(str(error))
-    return run(*args)
+    try:
+        return run(*args)
+    except (
+        ValueError,
+        OSError,
+    ) as error:  # bad input found while running (a model, a prompt): the words, no trace
+        print(f"hf-budgetdraft {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

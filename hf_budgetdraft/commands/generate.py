@@ -6,19 +6,24 @@ left-padded batch: batched AR, then the batched one-liner, per-row greedy diffs.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import TextStreamer
 
 from ..cache.base import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
+from ..eval.greedy_diff import divergence_margin, token_diff
 from ..generation.spec import DraftSpec
+from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
 from ..random_models import random_pair
 from ..timing import RunResult, ar_setup, configure_drafter, timed_generate
 
 FULL_CACHE_GAMMA = 5  # --cache full: stock assisted generation drafts this many tokens a round
+# a greedy divergence is a near-tie when the target's own top-2 gap is within this many units in the last place of
+# the model's dtype at a logit of this size (bf16: 1.25; float32: 2e-5)
+TIE_ULPS, TIE_LOGIT = 8, 20.0
 
 
 @dataclass
@@ -26,9 +31,14 @@ class _InputFlags:
     """The models and the prompt(s)."""
 
     target: str | None = field(
-        default=None, metadata={"help": "Local HF model folder of the target (safetensors)."}
+        default=None,
+        metadata={
+            "help": "The target: a local model folder or a hub id (from the Hugging Face cache; safetensors)."
+        },
     )
-    drafter: str | None = field(default=None, metadata={"help": "Local HF model folder of the drafter."})
+    drafter: str | None = field(
+        default=None, metadata={"help": "The drafter: a local model folder or a hub id."}
+    )
     random_models: bool = field(
         default=False,
         metadata={
@@ -43,9 +53,20 @@ class _InputFlags:
         },
     )
     prompt: str | None = field(
-        default=None, metadata={"help": "Prompt text (needs a tokenizer in --target)."}
+        default=None, metadata={"help": "Prompt text (needs the target's tokenizer); - reads it from stdin."}
     )
-    prompt_file: str | None = field(default=None, metadata={"help": "Read the prompt from this text file."})
+    prompt_file: str | None = field(
+        default=None, metadata={"help": "Read the prompt from this text file (- : stdin)."}
+    )
+    chat: bool = field(
+        default=False,
+        metadata={
+            "help": "Wrap the prompt as a user message in the target's chat template (an instruct model)."
+        },
+    )
+    system: str | None = field(
+        default=None, metadata={"help": "With --chat: a system message before the prompt."}
+    )
     prompt_files: list[str] | None = field(
         default=None,
         metadata={"help": "Several prompt files: one batch, a row per file (batched speculation)."},
@@ -117,20 +138,21 @@ class _DecodingFlags:
     temperature: float = field(default=1.0, metadata={"help": "With --do_sample: the temperature."})
     top_p: float = field(default=1.0, metadata={"help": "With --do_sample: nucleus sampling's p."})
     top_k: int = field(default=50, metadata={"help": "With --do_sample: top-k (0: off)."})
-    target_attn_implementation: Literal["sdpa", "eager", "budgetdraft_sdpa"] = field(
-        default="sdpa",
-        metadata={"help": "The attention the target is loaded with (the reference AR runs on it)."},
-    )
-    max_new_tokens: int = field(default=64, metadata={"help": "Tokens to generate."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Tokens to generate."})
     threads: int = field(default=2, metadata={"help": "torch threads (set explicitly; see README)."})
     seed: int = field(default=0, metadata={"help": "Seed for random models, prompts and sampling."})
 
 
 @dataclass
-class GenerateArguments(_DecodingFlags, _DraftFlags, _InputFlags):
-    """Flags of `hf-budgetdraft generate` (inputs, draft and decoding flags, in that order)."""
+class GenerateArguments(LoadFlags, _DecodingFlags, _DraftFlags, _InputFlags):
+    """Flags of `hf-budgetdraft generate` (inputs, draft, decoding and loading flags, in that order)."""
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError("pass --prompt or --prompt_file, not both")
+        if self.system is not None and not self.chat:
+            raise ValueError("--system is a chat message: add --chat")
         if self.cache not in ("sink_window", "budgeted", "full"):
             raise ValueError(f"--cache must be sink_window, budgeted or full, got {self.cache!r}")
         if not 1 <= self.context_length <= MAX_CACHE_TOKENS:
@@ -193,32 +215,64 @@ class GenerateArguments(_DecodingFlags, _DraftFlags, _InputFlags):
 
 
 def _load_pair(args: GenerateArguments):
-    def load(path):
-        return AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, local_files_only=True).eval()
+    """`(target, drafter, tokenizer)` named by `--target` / `--drafter` (folders or hub ids), through the one loader;
+    a drafter that ships a tokenizer other than the target's is refused."""
+    tokenizer = load_tokenizer(args.target, args)
+    try:
+        draft_tokenizer = load_tokenizer(args.drafter, args)
+    except (OSError, ValueError):  # a drafter saved without a tokenizer drafts in the target's
+        draft_tokenizer = None
+    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"--drafter {args.drafter} has another tokenizer than --target {args.target}: a drafter must share the "
+            "target's vocabulary (universal assisted generation is not supported with sparse draft caches)"
+        )
+    return load_model(args.target, args), load_model(args.drafter, args), tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    return load(args.target), load(args.drafter), tokenizer
+
+def _prompt_text(args: GenerateArguments) -> str | None:
+    """The prompt's text: `--prompt`, `--prompt_file`, stdin for `-`, the bundled play for the demo models."""
+    if args.prompt == "-" or args.prompt_file == "-":
+        return sys.stdin.read()
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            return handle.read()
+    if args.prompt is None and args.demo_models:
+        return DEMO_TEXT.read_text(encoding="utf-8")
+    return args.prompt
 
 
 def _prompt_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> torch.LongTensor:
-    text = args.prompt
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as handle:
-            text = handle.read()
-    if text is None and args.demo_models:
-        text = DEMO_TEXT.read_text(encoding="utf-8")
+    text = _prompt_text(args)
     if text is None:
         generator = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, vocab_size, (1, args.context_length), generator=generator)
     if tokenizer is None:
-        raise ValueError("a text prompt needs a tokenizer: use --target/--drafter model folders")
+        raise ValueError("a text prompt needs a tokenizer: use --target/--drafter (or --demo_models)")
+    if args.chat:
+        return chat_ids(tokenizer, text, args.system)
     return tokenizer(text, return_tensors="pt").input_ids[:, -args.context_length :]
+
+
+def chat_ids(tokenizer, text: str, system: str | None = None) -> torch.LongTensor:
+    """`text` as the user's message (after `system`'s) in the tokenizer's chat template, ready for the assistant's
+    answer: `(1, L)`. The whole message is kept: `--context_length` does not cut a chat."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--chat needs a tokenizer with a chat template; {type(tokenizer).__name__} of this target has none. "
+            "Drop --chat to continue the prompt as plain text"
+        )
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": text})
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    return ids["input_ids"]
 
 
 def generate_command(args: GenerateArguments) -> int:
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = _models(args)
-    target.set_attn_implementation(args.target_attn_implementation)
     if args.batch_size > 1:
         return _generate_batch(args, target, drafter, tokenizer)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
@@ -236,32 +290,46 @@ def generate_command(args: GenerateArguments) -> int:
             assistant_model=drafter,
             **_threshold(args),
         )
-    runs = _generate_runs(args, target, drafter, ids, spec)
-    return _report_generate(args, tokenizer, ids.shape[1], *runs)
+    runs = _generate_runs(args, target, drafter, ids, spec, tokenizer)
+    return _report_generate(args, target, tokenizer, ids, *runs)
 
 
 def _models(args: GenerateArguments):
     """`(target, drafter, tokenizer or None)` the flags name."""
-    if args.random_models:
-        target, drafter = random_pair(args.seed, args.context_length + args.max_new_tokens + 1)
-        return target, drafter, None
-    if args.demo_models:
-        from ..demo import load_demo_models
-
-        demo = load_demo_models()
-        return demo.target, demo.drafter_for(args.do_sample), demo.tokenizer
+    if args.random_models or args.demo_models:
+        target, drafter, tokenizer = _bundled_pair(args)
+        dtype = DTYPES.get(args.dtype)  # auto: as built (float32)
+        device = "cpu" if args.device == "auto" else args.device
+        for model in (target, drafter):
+            model.to(device=device, dtype=dtype).set_attn_implementation(args.attn_implementation)
+        return target, drafter, tokenizer
     return _load_pair(args)
 
 
+def _bundled_pair(args: GenerateArguments):
+    if args.random_models:
+        target, drafter = random_pair(args.seed, args.context_length + args.max_new_tokens + 1)
+        return target, drafter, None
+    from ..demo import load_demo_models
+
+    demo = load_demo_models()
+    return demo.target, demo.drafter_for(args.do_sample), demo.tokenizer
+
+
 def _generate_runs(
-    args: GenerateArguments, target, drafter, ids: torch.LongTensor, spec: DraftSpec | None
+    args: GenerateArguments, target, drafter, ids: torch.LongTensor, spec: DraftSpec | None, tokenizer
 ) -> list[RunResult]:
-    """`[stock AR, fast AR, speculative]` runs of the same prompt; sampled runs are seeded alike."""
+    """`[stock AR, fast AR, speculative]` runs of the same prompt; sampled runs are seeded alike. The speculative
+    run's text streams to stdout as it is produced (token ids without a tokenizer come in the summary)."""
     length, sampling = args.max_new_tokens, args.sampling()
+    ids = ids.to(target.device)
     runs = []
     for setup in (None, "fast"):
         with ar_setup(target, setup, ids.shape[1] + length) as kwargs:
             runs.append(timed_generate(target, ids, length, sampling=sampling, seed=args.seed, **kwargs))
+    streamer = TextStreamer(tokenizer) if tokenizer is not None else None
+    if streamer is not None:
+        print("--- generated (the one-liner, streamed) ---", flush=True)
     runs.append(
         timed_generate(
             target,
@@ -271,9 +339,13 @@ def _generate_runs(
             sampling=sampling,
             seed=args.seed,
             assistant_model=drafter,
+            on_chunk=(lambda chunk, _: streamer.put(torch.tensor(chunk))) if streamer is not None else None,
             **_threshold(args),
         )
     )
+    if streamer is not None:
+        streamer.end()
+        print("---", flush=True)
     return runs
 
 
@@ -283,27 +355,33 @@ def _threshold(args: GenerateArguments) -> dict:
     return {} if threshold is None else {"assistant_confidence_threshold": threshold}
 
 
-def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar, fast_ar, spec) -> int:
+def _report_generate(
+    args: GenerateArguments, target, tokenizer, ids: torch.LongTensor, ar, fast_ar, spec
+) -> int:
     new, stats = spec.new_ids, spec.stats
     plan = stats.plan
-    print(f"prompt tokens: {prompt_length}  new tokens: {new.numel()}  draft cache: {args.cache}")
+    print(f"prompt tokens: {ids.shape[1]}  new tokens: {new.numel()}  draft cache: {args.cache}")
     if plan is not None:
         print(
             f"draft plan: {plan.spec} (draft length from {plan.draft_length_source}, confidence threshold "
             f"{plan.confidence_threshold})"
         )
-    print(tokenizer.decode(new) if tokenizer is not None else f"token ids: {new.tolist()}")
-    diff = int((new != ar.new_ids).sum())
+    if tokenizer is None:
+        print(f"token ids: {new.tolist()}")
+    lossless = True
     if args.do_sample:
         print("sampling: the output keeps the target's distribution (speculative sampling); no greedy diff")
     else:
-        verdict = "identical" if diff == 0 else "DIFFERENT"
-        print(f"greedy diff vs the target's own greedy output: {diff} tokens ({verdict})")
+        lossless = _report_greedy_diff(target, ids, ar.new_ids, new)
     print(
         f"rounds {stats.rounds} ({stats.ar_rounds} plain AR steps), mean accepted length "
         f"{stats.mean_accepted_length:.2f}, acceptance rate {stats.acceptance_rate:.1%}, draft "
         f"{stats.decode_draft_seconds:.2f} s + prefill {stats.draft_prefill_seconds:.2f} s, verify "
         f"{stats.decode_verify_seconds:.2f} s + target prefill {stats.target_prefill_seconds:.2f} s"
+    )
+    print(
+        f"target prefill {ar.first_token_seconds:.2f} s (stock AR), {spec.first_token_seconds:.2f} s (the one-liner, "
+        "with the drafter's); the ratios below: end to end, then decoding alone"
     )
     for name, baseline in (("stock AR", ar), ("fast AR", fast_ar)):
         decode = baseline.decode_tokens_per_second, spec.decode_tokens_per_second
@@ -313,7 +391,35 @@ def _report_generate(args: GenerateArguments, tokenizer, prompt_length: int, ar,
             f"{baseline.seconds / spec.seconds:.2f}x{decode_text if all(decode) else ''}"
         )
     print(f"(one run each, {args.threads} threads; benchmarks/ has measured ratios)")
-    return 0 if diff == 0 or args.do_sample else 1
+    return 0 if lossless else 1
+
+
+def _report_greedy_diff(target, ids: torch.LongTensor, reference: torch.Tensor, output: torch.Tensor) -> bool:
+    """Print how the greedy output compares with the target's own; `False` only for a divergence the target's
+    logits do not explain as a near-tie (`tie_tolerance`)."""
+    diff = token_diff(output, reference)
+    if diff.diff_tokens == 0:
+        print("greedy diff vs the target's own greedy output: 0 tokens (identical)")
+        return True
+    margin = divergence_margin(target, ids.to(target.device), reference, output, diff.first_diff)
+    tolerance = tie_tolerance(target.dtype)
+    tie = abs(margin) <= tolerance
+    print(
+        f"greedy diff vs the target's own greedy output: {diff.diff_tokens} tokens from position {diff.first_diff}, "
+        f"where the target's two tokens are {abs(margin):.3g} apart in logit: "
+        + (
+            f"a near-tie within {target.dtype}'s rounding ({tolerance:.3g}), not a bug"
+            if tie
+            else f"beyond {target.dtype}'s rounding ({tolerance:.3g}): DIFFERENT (a bug)"
+        )
+    )
+    return tie
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """The largest top-2 logit gap that rounding in `dtype` can flip between two kernels of the same forward:
+    `TIE_ULPS` units in the last place at a logit of `TIE_LOGIT`."""
+    return TIE_ULPS * torch.finfo(dtype).eps * TIE_LOGIT
 
 
 def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

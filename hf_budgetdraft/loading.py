@@ -1,0 +1,105 @@
+"""One loader for every door: a model as the user names it, on the device and in the dtype they choose.
+
+`--target` / `--drafter` name a local folder or a hub id. A hub id is resolved by transformers through
+`huggingface_hub`'s cache (`HF_HOME` / `HF_HUB_CACHE`); with `HF_HUB_OFFLINE=1` it is served from that cache
+only, and a model missing there is refused by `huggingface_hub` with its own message. Weights load as safetensors
+only, and code shipped with a checkpoint runs only with `trust_remote_code=True`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import huggingface_hub
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION = ("sdpa", "eager", "budgetdraft_sdpa", "flash_attention_2")
+
+
+@dataclass
+class LoadFlags:
+    """How the named models are loaded (the same flags on every command)."""
+
+    device: str = field(
+        default="cpu",
+        metadata={"help": "cpu | cuda | cuda:N | auto (device_map='auto': spread over the GPUs there are)."},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (the checkpoint's own) | float32 | bfloat16 | float16."},
+    )
+    attn_implementation: str = field(
+        default="sdpa",
+        metadata={"help": f"The attention both models are loaded with: {' | '.join(ATTENTION)}."},
+    )
+    revision: str | None = field(
+        default=None, metadata={"help": "A hub id's branch, tag or commit (default: main)."}
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Run code shipped with a checkpoint (off: only transformers' own model classes)."},
+    )
+
+    def __post_init__(self):
+        check_device(self.device)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attn_implementation not in ATTENTION:
+            raise ValueError(
+                f"--attn_implementation must be one of {ATTENTION}, got {self.attn_implementation!r}"
+            )
+
+
+def check_device(device: str) -> None:
+    """Refuse a device string this machine cannot run: not `cpu`, `cuda`, `cuda:N` or `auto`, or no such GPU."""
+    if device in ("cpu", "auto"):
+        return
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    count = torch.cuda.device_count()
+    if count == 0 or (index and int(index) >= count):
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s); use --device cpu")
+
+
+def load_model(name: str, flags: LoadFlags) -> PreTrainedModel:
+    """`name` (a local folder or a hub id) as a causal LM in eval mode, as `flags` say."""
+    placement = {"device_map": "auto"} if flags.device == "auto" else {}
+    model = _from_pretrained(
+        AutoModelForCausalLM,
+        name,
+        dtype=DTYPES.get(flags.dtype, "auto"),
+        attn_implementation=flags.attn_implementation,
+        revision=flags.revision,
+        trust_remote_code=flags.trust_remote_code,
+        use_safetensors=True,
+        **placement,
+    )
+    if flags.device != "auto":
+        model = model.to(flags.device)
+    return model.eval()
+
+
+def load_tokenizer(name: str, flags: LoadFlags) -> PreTrainedTokenizerBase:
+    """The tokenizer stored with `name` (a local folder or a hub id)."""
+    return _from_pretrained(
+        AutoTokenizer, name, revision=flags.revision, trust_remote_code=flags.trust_remote_code
+    )
+
+
+def _from_pretrained(auto_class, name: str, **kwargs):
+    """`auto_class.from_pretrained(name, ...)`, its errors saying which name failed and where it was looked up."""
+    try:
+        return auto_class.from_pretrained(name, **kwargs)
+    except OSError as error:
+        if Path(name).is_dir():
+            where = "a local folder"
+        else:
+            offline = (
+                " only (HF_HUB_OFFLINE=1)" if huggingface_hub.constants.HF_HUB_OFFLINE else " or on the hub"
+            )
+            where = f"a hub id, looked up in the Hugging Face cache{offline}"
+        raise OSError(f"cannot load {name!r} ({where}): {error}") from error

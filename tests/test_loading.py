@@ -1,0 +1,132 @@
+"""The one loader: models named by folder or hub id (offline, from a Hugging Face cache the test builds), each dtype,
+device strings, and the generate command's prompts: stdin, --chat with and without a template, streamed text."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_budgetdraft.commands.generate import chat_ids, tie_tolerance
+from hf_budgetdraft.demo.models import DEMO_DIR
+from hf_budgetdraft.loading import LoadFlags, check_device, load_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_snapshot(cache: Path, repo_id: str, model_folder: Path, tokenizer=None) -> None:
+    """`repo_id` in a Hugging Face hub cache laid out as a download leaves it: refs/main -> a snapshot folder."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(model_folder / name, snapshot / name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("hub")
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer")
+    _hub_snapshot(cache, "someone/long-target", DEMO_DIR / "target", tokenizer)
+    _hub_snapshot(cache, "someone/small-drafter", DEMO_DIR / "base_drafter", tokenizer)
+    other = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer")
+    other.add_tokens(["<not-in-the-target>"])
+    _hub_snapshot(cache, "someone/foreign-drafter", DEMO_DIR / "base_drafter", other)
+    return cache
+
+
+def _cli(hub_cache: Path, *flags: str, stdin: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "hf_budgetdraft.cli", "generate", *flags, "--threads", "1"]
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_folder_loads_in_each_dtype(dtype):
+    model = load_model(str(DEMO_DIR / "base_drafter"), LoadFlags(dtype=dtype))
+    assert model.dtype == getattr(torch, dtype) and not model.training
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_auto_dtype_keeps_the_checkpoints_own():
+    folder = DEMO_DIR / "base_drafter"
+    model = load_model(str(folder), LoadFlags(dtype="auto"))
+    assert model.dtype == getattr(torch, json.loads((folder / "config.json").read_text())["dtype"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(device="gpu"), "--device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
+        (dict(device="cuda:x"), "--device must be cpu, cuda, cuda:N or auto"),
+        (dict(dtype="int8"), "--dtype must be auto or one of"),
+        (dict(attn_implementation="flex"), "--attn_implementation must be one of"),
+    ],
+)
+def test_bad_load_flags_say_what_to_pass(flags, message):
+    with pytest.raises(ValueError, match=message):
+        LoadFlags(**flags)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_this_machine_lacks_is_refused():
+    with pytest.raises(ValueError, match="this machine has 0 CUDA device"):
+        check_device("cuda:0")
+
+
+def test_chat_wraps_the_prompt_in_the_template_or_says_there_is_none():
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer")
+    with pytest.raises(ValueError, match="--chat needs a tokenizer with a chat template"):
+        chat_ids(tokenizer, "Who is the king?")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    )
+    ids = chat_ids(tokenizer, "Who is the king?", system="Answer briefly.")
+    assert ids.shape[0] == 1
+    assert tokenizer.decode(ids[0]) == "<system>Answer briefly.\n<user>Who is the king?\n<assistant>"
+
+
+def test_tie_tolerance_scales_with_the_dtype():
+    assert tie_tolerance(torch.float32) < 1e-4 < tie_tolerance(torch.bfloat16) <= 2.0
+
+
+def test_generate_takes_hub_ids_offline_a_dtype_and_stdin_and_streams(hub_cache):
+    text = (DEMO_DIR / "king_john.txt").read_text(encoding="utf-8")[:6000]
+    result = _cli(
+        hub_cache,
+        *("--target", "someone/long-target", "--drafter", "someone/small-drafter"),
+        *("--device", "cpu", "--dtype", "bfloat16", "--prompt_file", "-", "--max_new_tokens", "16"),
+        stdin=text,
+    )
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    out = result.stdout
+    streamed = out.index("--- generated (the one-liner, streamed) ---")
+    assert streamed < out.index("greedy diff vs the target's own greedy output") < out.index("vs fast AR")
+    assert "target prefill" in out
+
+
+def test_generate_refuses_a_drafter_with_another_tokenizer(hub_cache):
+    result = _cli(
+        hub_cache,
+        *("--target", "someone/long-target", "--drafter", "someone/foreign-drafter", "--prompt", "Hello"),
+    )
+    assert result.returncode != 0
+    assert "has another tokenizer than --target someone/long-target" in result.stderr
+
+
+def test_generate_with_a_hub_id_missing_from_the_cache_fails_offline(hub_cache):
+    result = _cli(
+        hub_cache, "--target", "someone/absent", "--drafter", "someone/small-drafter", "--prompt", "Hi"
+    )
+    assert result.returncode != 0 and "someone/absent" in result.stderr
