@@ -17,7 +17,9 @@ saw), and the bundled held-out play (King John). Rows:
 - `oneliner+compile`, `gamma6+compile`: with `cache_config={"compile": True}` (the step compiled once, before
   timing; `gamma6+compile` is the hand-tuned setting: static cache, varlen drafter, compiled step, fast target);
 - `*@T0.7`, `*@T0.8`, `*@T1.0`: sampling (`do_sample=True, temperature=T`, transformers' default top-k 50) for
-  `ar_fast` and the one-liner (with the bundled `sampling_drafter`), seeded alike;
+  `ar_fast` and the one-liner (with the bundled `sampling_drafter`), seeded alike; `ar_stock@T` is plain sampling on
+  the model as loaded and `greedy_drafter@T` the one-liner sampling with the greedy drafter (the one drafter a user
+  may have), both compared with the AR rows at the same temperature;
 - `full_prefill`: the one-liner with `cache_config={"prefill_window": None}` (the drafter prefills with full
   attention; the default prefills it in 1024-token windowed chunks);
 - `ar_fast_gemv`, `oneliner_gemv`: `ar_fast` and the one-liner with the target's linear layers on torch's own
@@ -76,6 +78,10 @@ ROWS = {
     "oneliner@T1.0": ({}, None, 1.0),
     "ar_fast@T0.7": (None, "fast", 0.7),
     "oneliner@T0.7": ({}, None, 0.7),
+    "ar_stock@T0.7": (None, "stock", 0.7),
+    "ar_stock@T1.0": (None, "stock", 1.0),
+    "greedy_drafter@T0.7": ({}, None, 0.7),
+    "greedy_drafter@T1.0": ({}, None, 1.0),
     "full_prefill": ({"prefill_window": None}, None, None),
     "ar_fast_gemv": (None, "fast", None),
     "oneliner_gemv": ({}, None, None),
@@ -125,10 +131,10 @@ def _run_row(name: str, demo, drafters: dict, ids: torch.LongTensor, new_tokens:
         return run_mtp(demo.target, ids, new_tokens, "sink_window", cache_config, sampling)
     if cache_config.get("compile"):
         drafter = drafters["compiled"]
-    elif temperature:  # a sampling call drafts with the drafter trained for sampling
+    elif temperature and not name.startswith("greedy_drafter"):  # the drafter trained for sampling
         drafter = drafters["sampling"]
     else:  # the one-liner rows' drafter drafts for nothing else, so only their own eager steps feed its ski rental
-        drafter = drafters["default" if name.startswith("oneliner") else "explicit"]
+        drafter = drafters["default" if name.startswith(("oneliner", "greedy_drafter")) else "explicit"]
     return run_assisted(
         demo.target, drafter, ids, new_tokens, None, "budgeted", cache_config, sampling=sampling
     )
@@ -366,7 +372,7 @@ def cell_records(results: dict, text: str, context: int, repeat: int, offset: in
     for name, result in results.items():
         temperature = ROWS[name][2]
         baselines = {
-            "ar_stock": results.get("ar_stock") if temperature is None else None,
+            "ar_stock": results.get("ar_stock" if temperature is None else f"ar_stock@T{temperature}"),
             "ar_fast": results.get("ar_fast" if temperature is None else f"ar_fast@T{temperature}"),
         }
         stats = result.stats

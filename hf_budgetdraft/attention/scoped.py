@@ -76,11 +76,11 @@ def model_configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
 def attention_scope(model, implementation: str | None) -> Callable[[], contextlib.AbstractContextManager]:
     """A reusable `using_attention(model, implementation)`: the model's configs are looked up once, so a call can
     enter the scope every round for nothing."""
-    if implementation is None or implementation == model.config._attn_implementation:
-        return contextlib.nullcontext
+    # attention outside `AttentionInterface` (`_can_set_attn_implementation()` False) is kept, as transformers does
     if (
-        not model._can_set_attn_implementation()
-    ):  # attention outside `AttentionInterface`: kept, as transformers does
+        implementation in (None, model.config._attn_implementation)
+        or not model._can_set_attn_implementation()
+    ):
         return contextlib.nullcontext
     install()
     return functools.partial(_scope, tuple(id(c) for c in model_configs(model)), implementation)
