@@ -103,7 +103,9 @@ def _check_assistant(
 
 
 def _check_prompt(target, input_ids) -> None:
-    """Refuse a prompt a speculative call cannot start from: empty, or past the target's position limit."""
+    """Refuse a prompt a speculative call cannot start from: empty, or past the position limit of a target whose
+    positions are a learned table. Past a RoPE target's `max_position_embeddings` the call runs (the rotations are
+    defined at any position; the output is still exactly the target's) and says so once."""
     if input_ids is None:
         return
     length = input_ids.shape[-1]
@@ -112,12 +114,19 @@ def _check_prompt(target, input_ids) -> None:
             f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}); speculative decoding continues a "
             "prompt of at least one token: pass the tokenizer's BOS token (or any prefix) as the prompt"
         )
-    limit = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if isinstance(limit, int) and length > limit:
+    config = target.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or length <= limit:
+        return
+    if getattr(config, "rope_parameters", None) is None:
         raise ValueError(
-            f"the prompt has {length} tokens, more than the target's max_position_embeddings={limit}; truncate the "
-            "prompt (keep its last tokens) or load a target configured for longer context (e.g. RoPE scaling)"
+            f"the prompt has {length} tokens, more than the target's max_position_embeddings={limit} (a learned "
+            "position table); truncate the prompt (keep its last tokens) or use a target made for longer inputs"
         )
+    logger.warning_once(
+        f"the prompt has {length} tokens, more than the target's max_position_embeddings={limit}: its RoPE runs past "
+        "the positions it was trained on. The output is still exactly the target's; its quality there is the target's"
+    )
 
 
 def _check_devices(target, assistant_model) -> None:

@@ -54,28 +54,20 @@ class _Pause(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _speculative(drafter, cache: str = "budgeted", **cache_config) -> dict:
+    return {
+        "assistant_model": drafter,
+        "cache_implementation": cache,
+        "cache_config": cache_config or {"budget": 64},
+    }
+
+
 CALLS = {
     "plain": lambda t, d: {},
-    "budgeted": lambda t, d: {
-        "assistant_model": d,
-        "cache_implementation": "budgeted",
-        "cache_config": {"budget": 64},
-    },
-    "sink_window": lambda t, d: {
-        "assistant_model": d,
-        "cache_implementation": "sink_window",
-        "cache_config": {"num_sink_tokens": 8, "window_length": 64},
-    },
-    "self_draft": lambda t, d: {
-        "assistant_model": t,
-        "cache_implementation": "budgeted",
-        "cache_config": {"budget": 64},
-    },
-    "batched": lambda t, d: {
-        "assistant_model": d,
-        "cache_implementation": "budgeted",
-        "cache_config": {"budget": 64},
-    },
+    "budgeted": lambda t, d: _speculative(d),
+    "sink_window": lambda t, d: _speculative(d, "sink_window", num_sink_tokens=8, window_length=64),
+    "self_draft": lambda t, d: _speculative(t),
+    "batched": lambda t, d: _speculative(d),
 }
 
 

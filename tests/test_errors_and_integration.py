@@ -70,11 +70,17 @@ def test_prompts_a_call_cannot_start_from(name):
     call = dict(assistant_model=drafter, max_new_tokens=4, cache_implementation=name)
     with pytest.raises(ValueError, match=r"the prompt is empty \(input_ids of shape \(1, 0\)\)"):
         target.generate(random_prompt(8)[:, :0], **call)
-    limit = target.config.max_position_embeddings
+    limit, rope = target.config.max_position_embeddings, target.config.rope_parameters
+    beyond = random_prompt(limit + 1)
+    target.config.rope_parameters = None  # as a target with a learned position table reads
     with pytest.raises(
         ValueError, match=f"{limit + 1} tokens, more than the target's max_position_embeddings"
     ):
-        target.generate(random_prompt(limit + 1), **call)
+        target.generate(beyond, **call)
+    target.config.rope_parameters = rope  # RoPE runs past the limit: lossless, with a warning
+    assert torch.equal(
+        target.generate(beyond, **call, do_sample=False), target.generate(beyond, max_new_tokens=4)
+    )
 
 
 def test_target_and_drafter_on_different_devices_are_refused():
