@@ -50,10 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     try:
         return run(*args)
-    except (
-        ValueError,
-        OSError,
-    ) as error:  # bad input found while running (a model, a prompt): the words, no trace
+    # bad input found while running (a model, a prompt): its words, no traceback
+    except (ValueError, OSError) as error:
         print(f"hf-budgetdraft {argv[0]}: error: {error}", file=sys.stderr)
         return 2
 

@@ -10,7 +10,7 @@ here, from the installed transformers' own signatures and attributes (never from
 - `prepare_draft_inputs`: the assistant's attention mask / position ids / token type ids for a round (the helpers
   `AssistedCandidateGenerator._update_past_and_masks` calls, whose own signature changed in 5.25);
 - `patch_point_problems()`: what the package relies on that the installed transformers lacks. `install()` refuses
-  speculative calls on sparse draft caches when it finds any (`refuse_speculative_calls`); plain `generate()` calls
+  speculative calls on sparse draft caches when it finds any (`integration._refusing_generate`); plain `generate()` calls
   are untouched either way.
 
 `TESTED` is the range CI runs: the full suite on its newest release, the integration-critical tests on its oldest

@@ -34,11 +34,11 @@ from transformers import (
 
 from .cache.base import check_size
 from .generation.spec import MAX_DRAFT_LENGTH, DraftSpec
+from .loading import DTYPES
 
 ENGINES = ("vllm", "sglang")
 MARKER = "serving.json"  # written by every export; `overwrite` only replaces a folder that holds it
 DEFAULT_WINDOW = DraftSpec(cache="sink_window").window_length
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Llama-architecture drafters whose weights a Mistral model holds unchanged (no attention/MLP bias, silu MLP)
 _FAMILIES = ("llama", "mistral", "ministral")
 _MISTRAL_FIELDS = set(MistralConfig.__dataclass_fields__)

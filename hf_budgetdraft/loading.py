@@ -2,8 +2,8 @@
 
 `--target` / `--drafter` name a local folder or a hub id. A hub id is resolved by transformers through
 `huggingface_hub`'s cache (`HF_HOME` / `HF_HUB_CACHE`); with `HF_HUB_OFFLINE=1` it is served from that cache
-only, and a model missing there is refused by `huggingface_hub` with its own message. Weights load as safetensors
-only, and code shipped with a checkpoint runs only with `trust_remote_code=True`.
+only; a failed load says which name failed and where it was looked up. Weights load as safetensors only, and code
+shipped with a checkpoint runs only with `trust_remote_code=True`.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def timed_generate(
         _synchronize(device)
         seconds = time.perf_counter() - start
     new_ids = output.sequences[0, input_ids.shape[1] :].cpu()
-    draft_cache = stats.draft_cache
+    draft_cache, target_cache = stats.draft_cache, output_cache(output)
     result = RunResult(
         new_ids=new_ids,
         seconds=seconds,
@@ -189,7 +189,7 @@ def timed_generate(
         first_chunk_tokens=streamer.counts[0] if streamer.counts else len(new_ids),
         stats=stats,
         draft_cache_bytes=cache_nbytes(draft_cache) if draft_cache is not None else None,
-        target_cache_bytes=cache_nbytes(output_cache(output)) if output_cache(output) is not None else None,
+        target_cache_bytes=cache_nbytes(target_cache) if target_cache is not None else None,
         peak_rss_bytes=peak_rss_bytes(),
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
     )

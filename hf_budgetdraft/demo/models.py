@@ -20,10 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..generation.mtp import expose_mtp_layers
+from ..loading import DTYPES
 from ..quiet import peft_wrapping, quiet_transformers
 
 DEMO_DIR = Path(__file__).resolve().parent
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -69,9 +69,9 @@ def load_demo_models(dtype: str | torch.dtype = "float32") -> DemoModels:
         >>> out = demo.target.generate(ids, assistant_model=demo.drafter, cache_implementation="budgeted")
     """
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
-        dtype = _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or a torch.dtype, got {dtype!r}")
+        dtype = DTYPES[dtype]
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
     from peft import PeftModel

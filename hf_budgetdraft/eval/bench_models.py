@@ -10,6 +10,7 @@ import torch
 
 from ..attention.varlen import NAME as VARLEN_NAME
 from ..corpus import Document, load_documents, load_hub_documents, stdlib_documents
+from ..loading import DTYPES
 from .bench_args import MAX_GAMMA, BenchArguments
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
@@ -73,17 +74,13 @@ def demo_models(do_sample: bool = False) -> BenchModels:
     )
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def full_models(args: BenchArguments) -> BenchModels:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..generation.mtp import expose_mtp_layers
 
     def load(path: str):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(args.dtype)).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval()
 
     targets = {"target": load(args.target)}
     drafters = {"drafter": load(args.drafter)}
@@ -115,7 +112,7 @@ def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     else:
         models = full_models(args)
     for model in (*models.targets.values(), *models.drafters.values()):
-        model.to(device=args.device, dtype=_torch_dtype(args.dtype))
+        model.to(device=args.device, dtype=DTYPES[args.dtype])
     if args.target_attn_implementation is not None:
         for model in models.targets.values():
             model.set_attn_implementation(args.target_attn_implementation)
