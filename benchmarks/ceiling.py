@@ -37,6 +37,7 @@ from hf_budgetdraft.cache import GrowableCache
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.eval.batched import number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted
+from hf_budgetdraft.eval.speedup_model import alpha_needed, expected_speedup, survival
 from hf_budgetdraft.timing import ar_setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -91,37 +92,6 @@ def fixed_length_call(demo, ids, gamma: int, new_tokens: int, do_sample: bool) -
     return [accepted for accepted, _ in full], statistics.median(seconds for _, seconds in full)
 
 
-def survival(accepted: list[int], gamma: int) -> list[float]:
-    """`S_k`, k = 1 ... γ: the share of rounds whose first k draft tokens were all accepted."""
-    return [sum(a >= k for a in accepted) / len(accepted) for k in range(1, gamma + 1)]
-
-
-def speedup(survive: list[float], verify: list[float], draft_a: float, draft_b: float, gamma: int) -> float:
-    """Expected decode speed of γ-token rounds over plain AR (γ = 0 is AR itself)."""
-    if gamma == 0:
-        return 1.0
-    tokens = 1 + sum(survive[:gamma])
-    return tokens * verify[0] / (verify[gamma] + draft_a + draft_b * gamma)
-
-
-def alpha_needed(goal: float, verify: list[float], draft_a: float, draft_b: float) -> float | None:
-    """The least acceptance α, equal at every position, for which the best γ reaches `goal` (None: no α <= 1)."""
-    gammas = range(1, len(verify))
-
-    def best(alpha: float) -> float:
-        return max(
-            speedup([alpha**k for k in range(1, len(verify))], verify, draft_a, draft_b, g) for g in gammas
-        )
-
-    if best(1.0) < goal:
-        return None
-    low, high = 0.0, 1.0
-    for _ in range(30):
-        middle = (low + high) / 2
-        low, high = (middle, high) if best(middle) < goal else (low, middle)
-    return high
-
-
 def measured_ratio(demo, ids, new_tokens: int, do_sample: bool, repeats: int) -> list[float]:
     """The one-liner's decode speed over fast AR, paired per repeat (sampling: both seeded alike). The drafter is a
     fresh copy, so no draft step compiled for earlier cells (its compile-when-it-pays rule) flatters it."""
@@ -144,9 +114,9 @@ def cell(demo, ids, args, do_sample: bool, verify: list[float]) -> dict:
     draft_b = max(0.0, (draft_top - draft_two) / (top - 2))
     draft_a = max(0.0, draft_two - 2 * draft_b)
     survive = survival(accepted, top)
-    curve = [speedup(survive, verify, draft_a, draft_b, g) for g in range(top + 1)]
+    curve = [expected_speedup(survive, verify, draft_a, draft_b, g) for g in range(top + 1)]
     best = max(range(top + 1), key=curve.__getitem__)
-    free = max(speedup(survive, verify, 0.0, 0.0, g) for g in range(top + 1))
+    free = max(expected_speedup(survive, verify, 0.0, 0.0, g) for g in range(top + 1))
     goal = args.sampling_goal if do_sample else args.goal
     ratios = measured_ratio(demo, ids, args.new_tokens, do_sample, args.repeats)
     return {

@@ -14,10 +14,11 @@ Sections (each recorded even if another fails; the JSON is rewritten after every
 3. `noise_envelope` — bf16: native (stock full-cache draft) vs AR divergence beside windowed vs native divergence,
    with the target's logit margin at each first divergence (a near-tie is noise; the draft never touches the
    target's logits, so a windowed divergence at a large margin would be a bug).
-4. `draft_step_cost` — one-token draft step at 32K and 128K context: native (full KV) vs sink/window, eager and
-   compiled (native on a `StaticCache`, windowed on a static sink/window cache; CUDA graphs), ratio native/windowed.
-5. `training_step` — one BudgetDraft training step (full-cache branch + sparse views) with the drafter on
+4. `training_step` — one BudgetDraft training step (full-cache branch + sparse views) with the drafter on
    `budgetdraft_varlen`, loss and gradients against the same step on stock `sdpa`, then an optimizer step.
+5. `cost_curves` — an 8B-shaped bf16 target and a 68M drafter at 8K-32K: the target's step and verification curve,
+   the drafter's step on full / sink-window / budgeted caches, eager and compiled, plain `generate()` against the
+   one-liner with a round's host time, and the speed-up those costs give (`gpu_cost_curves.py`).
 
 Writes `<out>/gpu_check.json`; exit code 0 when every check passed, 1 otherwise.
 """
@@ -27,9 +28,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -37,33 +38,38 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import CompileConfig, DynamicCache, LlamaForCausalLM, StaticCache
+from transformers import CompileConfig
 
 import hf_budgetdraft
-from hf_budgetdraft import SinkWindowCache, record_speculation
+from hf_budgetdraft import record_speculation
 from hf_budgetdraft.attention import varlen
 from hf_budgetdraft.eval.greedy_diff import divergence_margin, noise_envelope, token_diff
-from hf_budgetdraft.random_models import random_llama_config, smoke_pair
+from hf_budgetdraft.random_models import smoke_pair
 from hf_budgetdraft.trainer.losses import budgetdraft_loss, hard_distillation_loss
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test oracle of the kernels
 from attention_oracles import masked_sdpa_reference  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_cost_curves  # noqa: E402
+
 VARLEN = varlen.NAME
+# run in this order; the costs take the longest
+SECTIONS = ("kernels", "greedy", "training_step", "cost_curves")
 # fp32: a first divergence under this target logit margin is rounding between forward shapes, not a bug
 FP32_MARGIN_TOLERANCE = 1e-3
 
 GPU_SIZES = dict(
     kernel=dict(batch=3, q_heads=32, kv_heads=8, kv_length=2048, head_dim=128),
     greedy=dict(prompt=2048, new_tokens=96, gamma=4, repeats=2, sink=16, window=240, budget=256),
-    cost=dict(contexts=[32768, 131072], steps=8, repeats=10, sink=64, window=1024, hidden=2048, layers=2),
+    cost=gpu_cost_curves.GPU,
     train=dict(batch=2, prefix=1024, continuation=64, budgets=[128, 256]),
 )
 SMOKE_SIZES = dict(
     kernel=dict(batch=2, q_heads=4, kv_heads=2, kv_length=40, head_dim=16),
     greedy=dict(prompt=96, new_tokens=16, gamma=3, repeats=2, sink=4, window=28, budget=32),
-    cost=dict(contexts=[256, 512], steps=3, repeats=2, sink=4, window=32, hidden=64, layers=2),
+    cost=gpu_cost_curves.SMOKE,
     train=dict(batch=2, prefix=64, continuation=8, budgets=[16, 24]),
 )
 
@@ -353,132 +359,6 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. draft-step cost
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class StepTimer:
-    """Seconds per one-token step over `steps` steps from a fixed context (the cache is rolled back afterwards)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __call__(self, forward, cache, context: int, steps: int) -> float:
-        token = torch.tensor([[7]], device=self.device)
-        synchronize(self.device)
-        began = time.perf_counter()
-        for i in range(steps):
-            position = torch.tensor([[context + i]], device=self.device)
-            forward(input_ids=token, cache=cache, position_ids=position, use_cache=True, logits_to_keep=1)
-        synchronize(self.device)
-        elapsed = time.perf_counter() - began
-        cache.crop(-steps)
-        return elapsed / steps
-
-
-def draft_step_cost(report: Report, device: torch.device, sizes: dict, smoke: bool) -> list[dict]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    steps, repeats = sizes["steps"], sizes["repeats"]
-    config = random_llama_config(sizes["layers"], max(sizes["contexts"]) + steps + 8)
-    config.hidden_size, config.intermediate_size = sizes["hidden"], int(sizes["hidden"] * 2.75)
-    config.num_attention_heads, config.num_key_value_heads = 16 if not smoke else 4, 4 if not smoke else 2
-    config.head_dim = config.hidden_size // config.num_attention_heads
-    torch.manual_seed(0)
-    native = LlamaForCausalLM(config).to(device, dtype).eval()
-    windowed = copy.deepcopy(native)
-    windowed.set_attn_implementation(VARLEN)
-    compile_kwargs = (
-        dict(fullgraph=True, backend="eager") if smoke else dict(fullgraph=True, mode="reduce-overhead")
-    )
-    torch._dynamo.reset()
-    compiled_native = torch.compile(native.forward, **compile_kwargs)
-    compiled_windowed = torch.compile(windowed.forward, **compile_kwargs)
-    timer = StepTimer(device)
-    records = []
-    for context in sizes["contexts"]:
-        if report.time_left() < 60 and not smoke:
-            report.skip(f"draft_step_cost.{context}", "time budget")
-            continue
-        prompt = torch.randint(0, config.vocab_size, (1, context), device=device)
-
-        def static_window():
-            return SinkWindowCache(
-                windowed.config,
-                num_sink_tokens=sizes["sink"],
-                window_length=sizes["window"],
-                slack=steps,
-                static=True,
-            )
-
-        variants = {  # name -> (model to prefill with, step function, cache)
-            "native": (native, native.forward, DynamicCache(config=config)),
-            "sink_window": (
-                windowed,
-                windowed.forward,
-                SinkWindowCache(
-                    config, num_sink_tokens=sizes["sink"], window_length=sizes["window"], slack=steps
-                ),
-            ),
-            "sink_window_static": (windowed, windowed.forward, static_window()),
-        }
-        if report.time_left() > 150 or smoke:
-            variants["native_compiled"] = (
-                native,
-                compiled_native,
-                StaticCache(config, max_cache_len=context + steps),
-            )
-            variants["sink_window_static_compiled"] = (windowed, compiled_windowed, static_window())
-        else:
-            report.skip(f"draft_step_cost.{context}.compiled", "time budget")
-        times: dict[str, list[float]] = {}
-        failed = {}
-        with torch.inference_mode():
-            for name, (
-                model,
-                forward,
-                cache,
-            ) in variants.items():  # prefill (uncompiled), warm-up + compilation
-                try:
-                    model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
-                    for _ in range(2 if "compiled" in name else 1):
-                        timer(forward, cache, context, steps)
-                except Exception as error:  # one broken variant must not hide the others' timings
-                    failed[name] = f"{error!r}\n{traceback.format_exc()}"
-                    report.check(f"draft_step_cost.{context}.{name}.ran", False, repr(error))
-            variants = {name: variant for name, variant in variants.items() if name not in failed}
-            for _ in range(repeats):  # interleaved repeats
-                for name, (_, forward, cache) in variants.items():
-                    times.setdefault(name, []).append(timer(forward, cache, context, steps))
-        medians = {name: statistics.median(values) for name, values in times.items()}
-        record = {
-            "context": context,
-            "step_ms_median": {n: 1e3 * m for n, m in medians.items()},
-            "errors": failed,
-        }
-        for ratio, (numerator, denominator) in {
-            "ratio_native_over_sink_window_eager": ("native", "sink_window"),
-            "ratio_native_over_sink_window_static_eager": ("native", "sink_window_static"),
-            "ratio_native_over_sink_window_compiled": ("native_compiled", "sink_window_static_compiled"),
-        }.items():
-            if numerator in medians and denominator in medians:
-                record[ratio] = medians[numerator] / medians[denominator]
-        records.append(record)
-        print(
-            f"  context {context}: " + ", ".join(f"{n} {1e3 * m:.3f} ms" for n, m in medians.items()),
-            flush=True,
-        )
-        report.check(
-            f"draft_step_cost.{context}.measured",
-            all(math.isfinite(m) and m > 0 for m in medians.values()),
-            record,
-        )
-        del variants
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return records
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # 5. one training step with sparse views
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -577,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="+",
         default=None,
-        help="draft-step cost contexts (default 32768 131072)",
+        help="cost_curves contexts (default 8192 16384 32768)",
     )
     parser.add_argument(
         "--margin-tolerance",
@@ -588,10 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sections",
         nargs="+",
-        default=["kernels", "greedy", "draft_step_cost", "training_step"],
-        choices=["kernels", "greedy", "draft_step_cost", "training_step"],
+        default=list(SECTIONS),
+        choices=list(SECTIONS),
     )
     args = parser.parse_args(argv)
+    # the package's debug records (a failed compilation's traceback) go to the log this check leaves
+    package_log = logging.getLogger("hf_budgetdraft")
+    package_log.setLevel(logging.DEBUG)
+    if not package_log.handlers:
+        package_log.addHandler(logging.StreamHandler())
     if args.cpu_smoke:
         device, sizes = torch.device("cpu"), copy.deepcopy(SMOKE_SIZES)
     else:
@@ -619,15 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = {
         "kernels": (kernels, device, sizes["kernel"]),
         "greedy": (greedy, device, sizes["greedy"], smoke),
-        "draft_step_cost": (draft_step_cost, device, sizes["cost"], smoke),
+        "cost_curves": (gpu_cost_curves.cost_curves, device, sizes["cost"], smoke),
         "training_step": (training_step, device, sizes["train"]),
     }
-    for name in (
-        "kernels",
-        "greedy",
-        "training_step",
-        "draft_step_cost",
-    ):  # the cost section is the optional one
+    for name in SECTIONS:
         if name in args.sections:
             report.section(name, *plan[name])
     report.write()

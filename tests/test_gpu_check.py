@@ -68,19 +68,35 @@ def test_cpu_smoke_runs_every_section_and_passes(gpu_check, tmp_path, fresh_dyna
     kinds = {row["kind"] for row in report["greedy"]["envelope"]["bfloat16"]}
     assert kinds == {"native_vs_ar", "windowed_vs_native", "windowed_vs_ar"}
 
-    # 4. draft-step cost: every variant timed at every context, ratios present
-    for record in report["draft_step_cost"]:
-        assert set(record["step_ms_median"]) == {
-            "native",
-            "sink_window",
-            "sink_window_static",
-            "native_compiled",
-            "sink_window_static_compiled",
+    # 5. cost curves: every draft step timed at every context, the verification curve, the one-liner, the table
+    costs = report["cost_curves"]
+    assert [c["context"] for c in costs["contexts"]] == [96, 160]
+    for record in costs["contexts"]:
+        assert set(record["draft_step_s"]) == {
+            f"{cache}_{kind}"
+            for cache, kinds in {
+                "full": ("eager", "compiled"),
+                "sink_window": ("eager", "static_eager", "static_compiled"),
+                "budgeted": ("eager", "static_eager", "static_compiled"),
+            }.items()
+            for kind in kinds
         }
-        assert record["ratio_native_over_sink_window_compiled"] > 0
-    assert [r["context"] for r in report["draft_step_cost"]] == [256, 512]
+        assert (
+            len(record["verify_s"]) == 5 and all(t > 0 for t in record["verify_s"]) and not record["errors"]
+        )
+        assert set(record["compile_s"]) == {
+            "full_compiled",
+            "sink_window_static_compiled",
+            "budgeted_static_compiled",
+        }
+    oneliner = costs["oneliner"]
+    assert set(oneliner["decode_s_per_token"]) == {"ar_stock", "oneliner_fixed", "oneliner_default"}
+    assert oneliner["plans"]["oneliner_fixed"]["draft_length"] == 2 and oneliner["default_over_plain"] > 0
+    sources = {row["acceptance"].split(" (")[0] for row in costs["speedup"]}
+    assert sources == {"bundled greedy", "bundled T0.8", "paper alpha=0.79"}
+    assert all(row["speedup_vs_fast_ar"] >= 1.0 for row in costs["speedup"])  # gamma = 0 is plain AR
 
-    # 5. one training step: varlen views == sdpa views, and the step moved the loss
+    # 4. one training step: varlen views == sdpa views, and the step moved the loss
     views = report["training_step"]["views"]
     assert set(views) == {"budgeted_chunk", "sink_window"}
     assert all(v["relative_grad_difference"] < 1e-4 for v in views.values())

@@ -470,3 +470,37 @@ def test_query_capture_wraps_varlen():
     with query_capture(drafter):
         assert drafter.config._attn_implementation == "budgetdraft_capture_budgetdraft_varlen"
     assert drafter.config._attn_implementation == "budgetdraft_varlen"
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.11"])
+def test_torch_varlen_call_adapts_to_older_signatures(monkeypatch, release):
+    """torch 2.10 takes `is_causal`, 2.11 `window_size` without `enable_gqa`: GQA then repeats key/value heads."""
+    calls = []
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, is_causal=False):
+        calls.append((key.shape[1], is_causal))
+        assert key.shape[1] == query.shape[1]
+        return varlen.sdpa_varlen(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal, scale=scale
+        )
+
+    def torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        return torch_2_10(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, is_causal=window_size == (-1, 0)
+        )
+
+    fake = torch_2_10 if release == "2.10" else torch_2_11
+    monkeypatch.setattr(kernels, "torch_varlen_attn", lambda: fake)
+    monkeypatch.setattr(
+        kernels, "torch_varlen_parameters", lambda: frozenset(inspect.signature(fake).parameters)
+    )
+    monkeypatch.setattr(kernels, "resolve_backend", lambda name, query: "torch_varlen")
+    queries, packed, cu_q, max_q = _packed_problem()
+    assert queries.shape[1] != packed.keys.shape[1]  # the problem is grouped-query
+    args = (queries, packed.keys, packed.values, cu_q, packed.cu_seqlens, max_q, packed.max_seqlen)
+    for causal in (True, False):
+        out = varlen.varlen_attention(*args, causal=causal, scale=0.3, backend="torch_varlen")
+        torch.testing.assert_close(
+            out, varlen.sdpa_varlen(*args, causal=causal, scale=0.3), rtol=1e-6, atol=1e-6
+        )
+    assert calls == [(queries.shape[1], True), (queries.shape[1], False)]

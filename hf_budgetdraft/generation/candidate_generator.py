@@ -164,7 +164,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         if prefill:
             _synchronize(feed.device)
             self.draft_prefill_seconds += time.perf_counter() - start
-        return logits.float()
+        # a compiled step's output lives in its CUDA graph's pool, overwritten by the next replay: always a copy
+        return logits.to(torch.float32, copy=forward is self._draft_step and self._compiled)
 
     def _lean_forward(self, feed: torch.LongTensor, past: int) -> torch.Tensor:
         """`_forward` through the lean step. Its first block in a call also runs the drafter's own forward (after
@@ -214,6 +215,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
                 f"compiling the draft step failed ({type(error).__name__}: {error}); drafting eagerly instead. "
                 "Pass cache_config={'compile': False} to skip the attempt."
             )
+            logger.debug("the draft step's compilation failed", exc_info=True)
             self._draft_step, self._compiled = self.assistant_model, False
             logits = self.assistant_model(**inputs).logits[:, -1, :]
         self._compile_checked = True

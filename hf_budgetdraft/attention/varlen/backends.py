@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,6 +38,12 @@ def torch_varlen_attn() -> Callable | None:
     except ImportError:
         return None
     return varlen_attn
+
+
+@functools.cache
+def torch_varlen_parameters() -> frozenset[str]:
+    """The parameter names of the installed `varlen_attn` (they changed in every torch release since 2.10)."""
+    return frozenset(inspect.signature(torch_varlen_attn()).parameters)
 
 
 def available_backends() -> dict[str, bool]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backends import resolve_backend, torch_varlen_attn
+from .backends import resolve_backend, torch_varlen_attn, torch_varlen_parameters
 from .packing import check_key_valid, pack_keys, pack_queries, unpack_output
 
 
@@ -123,7 +123,7 @@ def varlen_attention(
             causal=causal,
         )
     if name == "torch_varlen":
-        return torch_varlen_attn()(
+        return torch_varlen_call(
             query,
             key,
             value,
@@ -131,9 +131,8 @@ def varlen_attention(
             cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
+            causal=causal,
             scale=scale,
-            window_size=(-1, 0) if causal else (-1, -1),
-            enable_gqa=query.shape[1] != key.shape[1],
         )
     return sdpa_varlen(
         query,
@@ -201,3 +200,36 @@ def sparse_varlen_attention(
         backend=backend,
     )
     return unpack_output(out, batch, q_length, packed.num_segment_heads)
+
+
+def torch_varlen_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """`varlen_attn` bound to the installed torch's signature: 2.10 takes `is_causal`, 2.11 `window_size`, 2.13
+    also `enable_gqa`; where that flag is missing, key/value heads are repeated to the query's (exact).
+
+    Shapes as in `varlen_attention`.
+    """
+    parameters = torch_varlen_parameters()
+    grouped = query.shape[1] != key.shape[1]
+    kwargs: dict = {"scale": scale}
+    if "window_size" in parameters:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if "enable_gqa" in parameters:
+        kwargs["enable_gqa"] = grouped
+    elif grouped:
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    return torch_varlen_attn()(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs
+    )

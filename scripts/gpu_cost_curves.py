@@ -1,0 +1,415 @@
+"""The `cost_curves` section of the GPU check: what a speculative round costs on this device for an 8B-class target
+and a 68M drafter, and the speed-up those costs give with measured and published acceptance.
+
+Random-weight bf16 models built on the device (timing only: no output is judged here):
+
+- target: Llama-3.1-8B-shaped (hidden 4096, 32 layers, 32 query / 8 KV heads, MLP 14336) with a 32K vocabulary
+  shared with the drafter (the Llama-2 pair of BudgetDraft's setup: Yarn-Llama-2-7B and llama-68m);
+- drafter: llama-68m-shaped (hidden 768, 2 layers, 12 heads, MLP 3072).
+
+Per context: the target's one-token step on transformers' `DynamicCache` and its verification of n = 1 ... 17 tokens on a
+`GrowableCache` (`sdpa`, and the one-liner's `budgetdraft_sdpa`); the drafter's one-token
+step on a full cache (eager `DynamicCache`, compiled `StaticCache`) against `sink_window` and `budgeted` draft
+caches (dynamic eager; static on `budgetdraft_varlen`, eager and compiled with CUDA graphs), with each compile's
+seconds. At the one-liner's context: plain `generate()` and the one-liner (fixed γ and its defaults) end to end, and
+a round's host time estimated as its wall time minus its forwards' device time measured above.
+
+The `speedup` part feeds those costs to `hf_budgetdraft.eval.speedup_model` with the bundled drafters' measured
+per-position acceptance (`benchmarks/results/ceiling.json`) and with BudgetDraft's published acceptance rates taken
+as equal at every position: the best draft length per context and its expected speed-up over plain AR.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+from hf_budgetdraft import BudgetedCache, DraftSpec, SinkWindowCache
+from hf_budgetdraft.attention.fast_sdpa import NAME as FAST_SDPA
+from hf_budgetdraft.attention.scoped import using_attention
+from hf_budgetdraft.attention.varlen import NAME as VARLEN
+from hf_budgetdraft.cache import GrowableCache
+from hf_budgetdraft.eval.speedup_model import best_draft_length, constant_survival, expected_speedup
+from hf_budgetdraft.timing import timed_generate
+
+CEILING = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ceiling.json"
+# BudgetDraft (arXiv 2606.00144): acceptance 79% / 55% / 34% at 4K / 8K / 16K on its best dataset
+PAPER_ACCEPTANCE = {4096: 0.79, 8192: 0.55, 16384: 0.34}
+
+GPU = dict(
+    contexts=[8192, 16384, 32768],
+    vocab=32000,
+    target=dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+    ),
+    drafter=dict(
+        hidden_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=3072,
+    ),
+    caches=dict(
+        sink_window=dict(num_sink_tokens=64, window_length=1024), budgeted=dict(budget=512, window_length=256)
+    ),
+    max_verify=17,
+    steps=8,
+    repeats=7,
+    new_tokens=64,
+    oneliner_repeats=3,
+    gamma=4,
+)
+SMOKE = dict(
+    contexts=[96, 160],
+    vocab=256,
+    target=dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    ),
+    drafter=dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+    ),
+    caches=dict(
+        sink_window=dict(num_sink_tokens=4, window_length=32), budgeted=dict(budget=32, window_length=16)
+    ),
+    max_verify=5,
+    steps=2,
+    repeats=2,
+    new_tokens=8,
+    oneliner_repeats=1,
+    gamma=2,
+)
+
+
+class DeviceTimer:
+    """Seconds of device work between two marks: CUDA events on CUDA (read after one synchronisation), the host
+    clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+
+    def __call__(self, work, inner: int = 1) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                work()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
+        began = time.perf_counter()
+        for _ in range(inner):
+            work()
+        return (time.perf_counter() - began) / inner
+
+
+def build_models(sizes: dict, device: torch.device, dtype: torch.dtype, max_positions: int):
+    """The random target and drafter, built directly on `device` in `dtype`."""
+    shared = dict(
+        vocab_size=sizes["vocab"],
+        max_position_embeddings=max_positions,
+        rope_theta=5e5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    models = []
+    for name in ("target", "drafter"):
+        config = LlamaConfig(**sizes[name], **shared)
+        with torch.device(device):
+            models.append(LlamaForCausalLM._from_config(config, dtype=dtype).eval())
+    return models
+
+
+def step_seconds(
+    timer: DeviceTimer, forward, cache, context: int, tokens: int, repeats: int, inner: int
+) -> float:
+    """Median seconds of forwarding `tokens` tokens at position `context` (rolled back after each)."""
+    device = timer.device
+    ids = torch.full((1, tokens), 7, device=device)
+    positions = torch.arange(context, context + tokens, device=device)[None]
+
+    def work():
+        forward(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(-tokens)
+
+    work()  # warm-up (and, for a compiled step, its compilation)
+    return statistics.median(timer(work, inner) for _ in range(repeats))
+
+
+def target_costs(target, prompt, sizes: dict, timer: DeviceTimer) -> dict:
+    """The target's one-token step on transformers' `DynamicCache` and its verification curve (n = 1 ...) on a
+    `GrowableCache`, with its own `sdpa` and with the one-liner's `budgetdraft_sdpa` (`verify_s`), seconds."""
+    context = prompt.shape[1]
+    out = {}
+    with torch.inference_mode():
+        stock = DynamicCache(config=target.config)
+        target(prompt, cache=stock, use_cache=True, logits_to_keep=1)
+        out["step_stock_s"] = step_seconds(timer, target.forward, stock, context, 1, sizes["repeats"], 2)
+        del stock
+        fast = GrowableCache(config=target.config, initial_capacity=context + sizes["max_verify"] + 1)
+        target(prompt, cache=fast, use_cache=True, logits_to_keep=1)
+        for key, attention in (("verify_sdpa_s", None), ("verify_s", FAST_SDPA)):
+            with using_attention(target, attention):
+                out[key] = [
+                    step_seconds(timer, target.forward, fast, context, n, sizes["repeats"], 1)
+                    for n in range(1, sizes["max_verify"] + 1)
+                ]
+    out["step_fast_s"] = out["verify_s"][0]
+    return out
+
+
+def draft_variants(drafter, varlen_drafter, sizes: dict, context: int, compile_kwargs: dict) -> dict:
+    """name -> (model, forward, cache factory): the drafter's one-token step on each draft cache."""
+    slack = sizes["steps"] + 8
+    sink, budgeted = sizes["caches"]["sink_window"], sizes["caches"]["budgeted"]
+    config, varlen_config = drafter.config, varlen_drafter.config
+    return {
+        "full_eager": (drafter, drafter.forward, lambda: DynamicCache(config=config)),
+        "full_compiled": (
+            drafter,
+            torch.compile(drafter.forward, **compile_kwargs),
+            lambda: StaticCache(config, max_cache_len=context + slack),
+        ),
+        "sink_window_eager": (drafter, drafter.forward, lambda: SinkWindowCache(config, **sink, slack=slack)),
+        "sink_window_static_eager": (
+            varlen_drafter,
+            varlen_drafter.forward,
+            lambda: SinkWindowCache(varlen_config, **sink, slack=slack, static=True),
+        ),
+        "sink_window_static_compiled": (
+            varlen_drafter,
+            torch.compile(varlen_drafter.forward, **compile_kwargs),
+            lambda: SinkWindowCache(varlen_config, **sink, slack=slack, static=True),
+        ),
+        "budgeted_eager": (drafter, drafter.forward, lambda: BudgetedCache(config, **budgeted, slack=slack)),
+        "budgeted_static_eager": (
+            varlen_drafter,
+            varlen_drafter.forward,
+            lambda: BudgetedCache(varlen_config, **budgeted, slack=slack, static=True),
+        ),
+        "budgeted_static_compiled": (
+            varlen_drafter,
+            torch.compile(varlen_drafter.forward, **compile_kwargs),
+            lambda: BudgetedCache(varlen_config, **budgeted, slack=slack, static=True),
+        ),
+    }
+
+
+def drafter_costs(
+    drafter, varlen_drafter, prompt, sizes: dict, timer: DeviceTimer, compile_kwargs: dict
+) -> dict:
+    """The drafter's one-token step (seconds) on each draft cache, each compile's seconds, and failures."""
+    context = prompt.shape[1]
+    steps, compile_s, errors = {}, {}, {}
+    for name, (model, forward, make_cache) in draft_variants(
+        drafter, varlen_drafter, sizes, context, compile_kwargs
+    ).items():
+        try:
+            with torch.inference_mode():
+                cache = make_cache()
+                model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+                if "compiled" in name:
+                    began = time.perf_counter()
+                    step_seconds(timer, forward, cache, context, 1, 1, 1)
+                    compile_s[name] = time.perf_counter() - began
+                steps[name] = step_seconds(
+                    timer, forward, cache, context, 1, sizes["repeats"], sizes["steps"]
+                )
+        except Exception as error:  # one broken variant must not hide the others' timings
+            errors[name] = f"{error!r}\n{traceback.format_exc()}"
+    return {"step_s": steps, "compile_s": compile_s, "errors": errors}
+
+
+def oneliner_costs(target, drafter, prompt, sizes: dict, measured: dict) -> dict:
+    """Plain `generate()` against the one-liner (a fixed γ, and its defaults), decode seconds a token, paired
+    repeats; a round's host time = its wall time minus the device time of its forwards (an estimate)."""
+    new, gamma = sizes["new_tokens"], sizes["gamma"]
+    calls = {
+        "ar_stock": dict(),
+        "oneliner_fixed": dict(assistant_model=drafter, spec=DraftSpec(draft_length=gamma)),
+        "oneliner_default": dict(assistant_model=drafter, spec=DraftSpec()),
+    }
+    per_token, rounds, plans = {name: [] for name in calls}, {}, {}
+    for repeat in range(sizes["oneliner_repeats"] + 1):  # the first pass warms every path
+        for name, kwargs in calls.items():
+            result = timed_generate(target, prompt, new, seed=repeat, **kwargs)
+            if repeat:
+                per_token[name].append(1.0 / result.decode_tokens_per_second)
+            if result.stats.rounds:
+                rounds[name] = result.stats.mean_accepted_length
+                plans[name] = describe_plan(result.stats.plan)
+    seconds = {name: statistics.median(values) for name, values in per_token.items()}
+    fixed_round = seconds["oneliner_fixed"] * rounds["oneliner_fixed"]
+    return {
+        "context": prompt.shape[1],
+        "new_tokens": new,
+        "decode_s_per_token": seconds,
+        "runs_s_per_token": per_token,
+        "tokens_per_round": rounds,
+        "plans": plans,
+        "ar_host_s_per_token": seconds["ar_stock"] - measured["step_stock_s"],
+        "fixed_gamma": gamma,
+        "fixed_round_s": fixed_round,
+        "default_over_plain": seconds["ar_stock"] / seconds["oneliner_default"],
+    }
+
+
+def describe_plan(plan) -> dict | None:
+    if plan is None:
+        return None
+    spec = plan.spec
+    return {
+        "static": spec.static,
+        "lean_step": spec.lean_step,
+        "compile": spec.compile,
+        "draft_length": spec.draft_length,
+        "draft_attention": plan.draft_attention,
+        "target_attention": plan.target_attention,
+        "target_linear": plan.target_linear,
+    }
+
+
+def bundled_acceptance(context: int) -> tuple[int, dict[str, list[float]]]:
+    """The bundled drafters' per-position acceptance `S_k` at the nearest measured context (mean over texts)."""
+    rows = json.loads(CEILING.read_text())["rows"]
+    nearest = min({r["context"] for r in rows}, key=lambda c: abs(c - context))
+    by_mode = {}
+    for mode in ("greedy", "T0.8"):
+        curves = [r["survival"] for r in rows if r["context"] == nearest and r["mode"] == mode]
+        by_mode[mode] = [statistics.mean(values) for values in zip(*curves, strict=True)]
+    return nearest, by_mode
+
+
+def speedups(context: int, costs: dict, host: float) -> list[dict]:
+    """Best γ and expected speed-up over plain AR per acceptance source and draft step, with and without the
+    measured host time a round."""
+    verify = costs["verify_s"]
+    nearest, bundled = bundled_acceptance(context)
+    paper_context = min(PAPER_ACCEPTANCE, key=lambda c: abs(c - context))
+    sources = {f"bundled {mode} (measured at {nearest})": s for mode, s in bundled.items()}
+    sources[f"paper alpha={PAPER_ACCEPTANCE[paper_context]} (at {paper_context})"] = constant_survival(
+        PAPER_ACCEPTANCE[paper_context], len(verify) - 1
+    )
+    draft_steps = {
+        name: s
+        for name, s in costs["draft_step_s"].items()
+        if name in ("full_eager", "full_compiled", "budgeted_static_compiled", "budgeted_static_eager")
+    }
+    rows = []
+    for source, survive in sources.items():
+        for draft, step in draft_steps.items():
+            for label, overhead in (("device only", 0.0), ("with host time", host)):
+                gamma, best = best_draft_length(survive, verify, 0.0, step, overhead)
+                rows.append(
+                    {
+                        "context": context,
+                        "acceptance": source,
+                        "draft": draft,
+                        "host": label,
+                        "best_gamma": gamma,
+                        "speedup_vs_fast_ar": best,
+                        "speedup_vs_plain_generate": best * costs["step_stock_s"] / verify[0],
+                        "at_gamma_4": expected_speedup(survive, verify, 0.0, step, 4, overhead),
+                    }
+                )
+    return rows
+
+
+def draft_step_used(plan: dict | None, steps: dict) -> float:
+    """The draft-step cost of the variant a one-liner plan ran (the lean step is timed as the static eager step)."""
+    if plan and plan["static"]:
+        name = "budgeted_static_compiled" if plan["compile"] else "budgeted_static_eager"
+    else:
+        name = "budgeted_eager"
+    return steps.get(name, steps.get("budgeted_eager", 0.0))
+
+
+def cost_curves(report, device: torch.device, sizes: dict, smoke: bool) -> dict:
+    """The section: per-context costs, the one-liner at the first context, the speed-up table. Partial results
+    are written into the report as each part finishes."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compile_kwargs = (
+        dict(fullgraph=True, backend="eager") if smoke else dict(fullgraph=True, mode="reduce-overhead")
+    )
+    target, drafter = build_models(sizes, device, dtype, max(sizes["contexts"]) + 256)
+    varlen_drafter = copy.deepcopy(drafter)
+    varlen_drafter.set_attn_implementation(VARLEN)
+    timer = DeviceTimer(device)
+    result = {
+        "models": {
+            "target_params": target.num_parameters(),
+            "drafter_params": drafter.num_parameters(),
+            "dtype": str(dtype),
+        },
+        "contexts": [],
+        "speedup": [],
+    }
+    report.data["cost_curves"] = result
+    torch._dynamo.reset()
+    for context in sizes["contexts"]:
+        if report.time_left() < 45 and not smoke:
+            report.skip(f"cost_curves.{context}", "time budget")
+            continue
+        prompt = torch.randint(0, sizes["vocab"], (1, context), device=device)
+        costs = {"context": context, **target_costs(target, prompt, sizes, timer)}
+        draft = drafter_costs(drafter, varlen_drafter, prompt, sizes, timer, compile_kwargs)
+        costs.update(draft_step_s=draft["step_s"], compile_s=draft["compile_s"], errors=draft["errors"])
+        for name, error in draft["errors"].items():
+            report.check(f"cost_curves.{context}.{name}.ran", False, error.splitlines()[0])
+        result["contexts"].append(costs)
+        print(
+            f"  context {context}: target step {1e3 * costs['step_fast_s']:.2f} ms (stock "
+            f"{1e3 * costs['step_stock_s']:.2f}), verify 5 {1e3 * costs['verify_s'][4]:.2f} ms; draft steps "
+            + ", ".join(f"{n} {1e3 * t:.3f}" for n, t in costs["draft_step_s"].items())
+            + " ms",
+            flush=True,
+        )
+        if context == sizes["contexts"][0]:
+            result["oneliner"] = oneliner_part(report, target, drafter, prompt, sizes, costs)
+        host = result.get("oneliner", {}).get("host_s_per_round", 0.0)
+        result["speedup"] += speedups(context, costs, max(host, 0.0))
+        report.write()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report.check("cost_curves.measured", bool(result["contexts"]), f"{len(result['contexts'])} contexts")
+    return result
+
+
+def oneliner_part(report, target, drafter, prompt, sizes: dict, costs: dict) -> dict:
+    try:
+        plan_probe = oneliner_costs(target, drafter, prompt, sizes, costs)
+    except Exception as error:
+        report.check("cost_curves.oneliner.ran", False, repr(error))
+        return {"error": f"{error!r}\n{traceback.format_exc()}"}
+    used = draft_step_used(plan_probe["plans"].get("oneliner_fixed"), costs["draft_step_s"])
+    gamma = plan_probe["fixed_gamma"]
+    plan_probe["fixed_round_device_s"] = costs["verify_s"][gamma] + gamma * used
+    plan_probe["host_s_per_round"] = plan_probe["fixed_round_s"] - plan_probe["fixed_round_device_s"]
+    print(
+        f"  one-liner at {prompt.shape[1]}: plain {1e3 * plan_probe['decode_s_per_token']['ar_stock']:.2f} ms/token, "
+        f"default one-liner {plan_probe['default_over_plain']:.2f}x plain, host a round "
+        f"{1e3 * plan_probe['host_s_per_round']:.2f} ms (estimate)",
+        flush=True,
+    )
+    return plan_probe
