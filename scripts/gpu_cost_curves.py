@@ -26,6 +26,7 @@ import json
 import statistics
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -106,19 +107,17 @@ class DeviceTimer:
     def __init__(self, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
 
-    def __call__(self, work, inner: int = 1) -> float:
+    def __call__(self, work) -> float:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(inner):
-                work()
+            work()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / 1e3 / inner
+            return start.elapsed_time(end) / 1e3
         began = time.perf_counter()
-        for _ in range(inner):
-            work()
-        return (time.perf_counter() - began) / inner
+        work()
+        return time.perf_counter() - began
 
 
 def build_models(sizes: dict, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -142,19 +141,22 @@ def build_models(sizes: dict, device: torch.device, dtype: torch.dtype, max_posi
 
 
 def step_seconds(
-    timer: DeviceTimer, forward, cache, context: int, tokens: int, repeats: int, inner: int
+    timer: DeviceTimer, forward, cache, context: int, tokens: int, repeats: int, inner: int = 1
 ) -> float:
-    """Median seconds of forwarding `tokens` tokens at position `context` (rolled back after each)."""
+    """Median seconds of forwarding `tokens` tokens at position `context`; with `inner` > 1 (one token), the
+    median step of `inner` consecutive positions, as decoding runs them. The cache is rolled back after each."""
     device = timer.device
     ids = torch.full((1, tokens), 7, device=device)
-    positions = torch.arange(context, context + tokens, device=device)[None]
 
     def work():
-        forward(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        cache.crop(-tokens)
+        for step in range(inner):
+            position = context + step * tokens
+            positions = torch.arange(position, position + tokens, device=device)[None]
+            forward(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        cache.crop(-tokens * inner)
 
     work()  # warm-up (and, for a compiled step, its compilation)
-    return statistics.median(timer(work, inner) for _ in range(repeats))
+    return statistics.median(timer(work) / inner for _ in range(repeats))
 
 
 def target_costs(target, prompt, sizes: dict, timer: DeviceTimer) -> dict:
@@ -179,51 +181,61 @@ def target_costs(target, prompt, sizes: dict, timer: DeviceTimer) -> dict:
     return out
 
 
-def draft_variants(drafter, varlen_drafter, sizes: dict, context: int, compile_kwargs: dict) -> dict:
-    """name -> (model, forward, cache factory): the drafter's one-token step on each draft cache."""
+def draft_variants(drafter, varlen_drafter, sizes: dict, context: int, compile_modes: dict) -> dict:
+    """name -> (model, forward, cache factory): the drafter's one-token step on each draft cache, eager and under
+    each compile mode."""
     slack = sizes["steps"] + 8
     sink, budgeted = sizes["caches"]["sink_window"], sizes["caches"]["budgeted"]
     config, varlen_config = drafter.config, varlen_drafter.config
+    caches = {
+        "full": (drafter, lambda: DynamicCache(config=config)),
+        "full_static": (drafter, lambda: StaticCache(config, max_cache_len=context + slack)),
+        "sink_window": (drafter, lambda: SinkWindowCache(config, **sink, slack=slack)),
+        "sink_window_static": (
+            varlen_drafter,
+            lambda: SinkWindowCache(varlen_config, **sink, slack=slack, static=True),
+        ),
+        "budgeted": (drafter, lambda: BudgetedCache(config, **budgeted, slack=slack)),
+        "budgeted_static": (
+            varlen_drafter,
+            lambda: BudgetedCache(varlen_config, **budgeted, slack=slack, static=True),
+        ),
+    }
+    variants = {}
+    for name, (model, make_cache) in caches.items():
+        if name != "full_static":
+            variants[f"{name}_eager"] = (model, model.forward, make_cache)
+        if name.endswith("static"):
+            for mode, kwargs in compile_modes.items():
+                label = name.replace("full_static", "full")
+                variants[f"{label}_compiled{mode}"] = (
+                    model,
+                    torch.compile(model.forward, **kwargs),
+                    make_cache,
+                )
+    return variants
+
+
+def compile_modes(smoke: bool) -> dict:
+    """Compile settings to time, by suffix: the package's CUDA default (`reduce-overhead`: CUDA graphs, graph
+    partitions) and CUDA graphs without graph partitions."""
+    if smoke:
+        return {"": dict(fullgraph=True, dynamic=False, backend="eager")}
     return {
-        "full_eager": (drafter, drafter.forward, lambda: DynamicCache(config=config)),
-        "full_compiled": (
-            drafter,
-            torch.compile(drafter.forward, **compile_kwargs),
-            lambda: StaticCache(config, max_cache_len=context + slack),
-        ),
-        "sink_window_eager": (drafter, drafter.forward, lambda: SinkWindowCache(config, **sink, slack=slack)),
-        "sink_window_static_eager": (
-            varlen_drafter,
-            varlen_drafter.forward,
-            lambda: SinkWindowCache(varlen_config, **sink, slack=slack, static=True),
-        ),
-        "sink_window_static_compiled": (
-            varlen_drafter,
-            torch.compile(varlen_drafter.forward, **compile_kwargs),
-            lambda: SinkWindowCache(varlen_config, **sink, slack=slack, static=True),
-        ),
-        "budgeted_eager": (drafter, drafter.forward, lambda: BudgetedCache(config, **budgeted, slack=slack)),
-        "budgeted_static_eager": (
-            varlen_drafter,
-            varlen_drafter.forward,
-            lambda: BudgetedCache(varlen_config, **budgeted, slack=slack, static=True),
-        ),
-        "budgeted_static_compiled": (
-            varlen_drafter,
-            torch.compile(varlen_drafter.forward, **compile_kwargs),
-            lambda: BudgetedCache(varlen_config, **budgeted, slack=slack, static=True),
+        "": dict(fullgraph=True, dynamic=False, mode="reduce-overhead"),
+        "_no_partition": dict(
+            fullgraph=True, dynamic=False, options={"triton.cudagraphs": True, "graph_partition": False}
         ),
     }
 
 
-def drafter_costs(
-    drafter, varlen_drafter, prompt, sizes: dict, timer: DeviceTimer, compile_kwargs: dict
-) -> dict:
-    """The drafter's one-token step (seconds) on each draft cache, each compile's seconds, and failures."""
+def drafter_costs(drafter, varlen_drafter, prompt, sizes: dict, timer: DeviceTimer, modes: dict) -> dict:
+    """The drafter's one-token step (seconds, over consecutive positions) on each draft cache, each compile's
+    seconds, and failures (after one, the compiler's CUDA-graph state is reset so the next variant starts clean)."""
     context = prompt.shape[1]
     steps, compile_s, errors = {}, {}, {}
     for name, (model, forward, make_cache) in draft_variants(
-        drafter, varlen_drafter, sizes, context, compile_kwargs
+        drafter, varlen_drafter, sizes, context, modes
     ).items():
         try:
             with torch.inference_mode():
@@ -231,14 +243,23 @@ def drafter_costs(
                 model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
                 if "compiled" in name:
                     began = time.perf_counter()
-                    step_seconds(timer, forward, cache, context, 1, 1, 1)
+                    step_seconds(timer, forward, cache, context, 1, 1)
                     compile_s[name] = time.perf_counter() - began
                 steps[name] = step_seconds(
                     timer, forward, cache, context, 1, sizes["repeats"], sizes["steps"]
                 )
         except Exception as error:  # one broken variant must not hide the others' timings
             errors[name] = f"{error!r}\n{traceback.format_exc()}"
+            reset_compiler(timer.device)
     return {"step_s": steps, "compile_s": compile_s, "errors": errors}
+
+
+def reset_compiler(device: torch.device) -> None:
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
 
 
 def oneliner_costs(target, drafter, prompt, sizes: dict, measured: dict) -> dict:
@@ -275,6 +296,23 @@ def oneliner_costs(target, drafter, prompt, sizes: dict, measured: dict) -> dict
     }
 
 
+def synchronisations(target, prompt, sizes: dict, **kwargs) -> dict | None:
+    """CUDA synchronisations a decoding step or round costs, counted by torch's sync debug mode (CUDA only):
+    transformers' own (the acceptance, stopping criteria) and anything the package adds."""
+    if prompt.device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = timed_generate(target, prompt, sizes["new_tokens"], **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    count = sum("synchroniz" in str(w.message) for w in caught)
+    rounds = result.stats.rounds or len(result.new_ids)
+    return {"synchronisations": count, "rounds_or_tokens": rounds, "per_round": count / rounds}
+
+
 def describe_plan(plan) -> dict | None:
     if plan is None:
         return None
@@ -287,6 +325,8 @@ def describe_plan(plan) -> dict | None:
         "draft_attention": plan.draft_attention,
         "target_attention": plan.target_attention,
         "target_linear": plan.target_linear,
+        "prefill_window": spec.prefill_window,
+        "reasons": plan.reasons,
     }
 
 
@@ -349,9 +389,7 @@ def cost_curves(report, device: torch.device, sizes: dict, smoke: bool) -> dict:
     """The section: per-context costs, the one-liner at the first context, the speed-up table. Partial results
     are written into the report as each part finishes."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    compile_kwargs = (
-        dict(fullgraph=True, backend="eager") if smoke else dict(fullgraph=True, mode="reduce-overhead")
-    )
+    modes = compile_modes(smoke)
     target, drafter = build_models(sizes, device, dtype, max(sizes["contexts"]) + 256)
     varlen_drafter = copy.deepcopy(drafter)
     varlen_drafter.set_attn_implementation(VARLEN)
@@ -373,7 +411,7 @@ def cost_curves(report, device: torch.device, sizes: dict, smoke: bool) -> dict:
             continue
         prompt = torch.randint(0, sizes["vocab"], (1, context), device=device)
         costs = {"context": context, **target_costs(target, prompt, sizes, timer)}
-        draft = drafter_costs(drafter, varlen_drafter, prompt, sizes, timer, compile_kwargs)
+        draft = drafter_costs(drafter, varlen_drafter, prompt, sizes, timer, modes)
         costs.update(draft_step_s=draft["step_s"], compile_s=draft["compile_s"], errors=draft["errors"])
         for name, error in draft["errors"].items():
             report.check(f"cost_curves.{context}.{name}.ran", False, error.splitlines()[0])
@@ -406,6 +444,11 @@ def oneliner_part(report, target, drafter, prompt, sizes: dict, costs: dict) -> 
     gamma = plan_probe["fixed_gamma"]
     plan_probe["fixed_round_device_s"] = costs["verify_s"][gamma] + gamma * used
     plan_probe["host_s_per_round"] = plan_probe["fixed_round_s"] - plan_probe["fixed_round_device_s"]
+    gamma_spec = DraftSpec(draft_length=sizes["gamma"])
+    plan_probe["synchronisations"] = {
+        "plain_generate": synchronisations(target, prompt, sizes),
+        "oneliner_fixed": synchronisations(target, prompt, sizes, assistant_model=drafter, spec=gamma_spec),
+    }
     print(
         f"  one-liner at {prompt.shape[1]}: plain {1e3 * plan_probe['decode_s_per_token']['ar_stock']:.2f} ms/token, "
         f"default one-liner {plan_probe['default_over_plain']:.2f}x plain, host a round "
@@ -413,3 +456,55 @@ def oneliner_part(report, target, drafter, prompt, sizes: dict, costs: dict) -> 
         flush=True,
     )
     return plan_probe
+
+
+def markdown(report: dict) -> str:
+    """The cost curves of a `gpu_check.json` as the tables `docs/gpu.md` shows."""
+    costs, env = report["cost_curves"], report["environment"]
+    ms = lambda seconds: f"{1e3 * seconds:.2f}"  # noqa: E731
+    lines = [
+        f"{env.get('gpu', env['device'])}, torch {env['torch']}, transformers {env['transformers']}; target "
+        f"{costs['models']['target_params'] / 1e9:.2f}B, drafter {costs['models']['drafter_params'] / 1e6:.0f}M, "
+        f"{costs['models']['dtype']}, random weights. Milliseconds, medians (CUDA events).",
+        "",
+        "| context | target step (DynamicCache) | verify n = 1 / 2 / 3 / 5 / 8 / 9 / 16 / 17 (one-liner's attention) | "
+        "same with `sdpa` | " + " | ".join(f"draft {name}" for name in DRAFT_COLUMNS) + " |",
+        "|---|---|---|---|" + "---|" * len(DRAFT_COLUMNS),
+    ]
+    picks = [1, 2, 3, 5, 8, 9, 16, 17]
+    for c in costs["contexts"]:
+        verify = " / ".join(ms(c["verify_s"][n - 1]) for n in picks if n <= len(c["verify_s"]))
+        plain = " / ".join(ms(c["verify_sdpa_s"][n - 1]) for n in picks if n <= len(c["verify_sdpa_s"]))
+        drafts = [ms(c["draft_step_s"][n]) if n in c["draft_step_s"] else "failed" for n in DRAFT_COLUMNS]
+        lines.append(
+            f"| {c['context']} | {ms(c['step_stock_s'])} | {verify} | {plain} | " + " | ".join(drafts) + " |"
+        )
+    lines += [
+        "",
+        "| context | acceptance | draft step | best γ | expected speed-up vs plain `generate()` |",
+        "|---|---|---|---|---|",
+    ]
+    for row in costs["speedup"]:
+        if row["host"] == "device only":
+            lines.append(
+                f"| {row['context']} | {row['acceptance']} | {row['draft']} | {row['best_gamma']} | "
+                f"{row['speedup_vs_plain_generate']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+DRAFT_COLUMNS = (
+    "full_eager",
+    "full_compiled",
+    "sink_window_eager",
+    "sink_window_static_eager",
+    "sink_window_static_compiled",
+    "budgeted_eager",
+    "budgeted_static_eager",
+    "budgeted_static_compiled",
+)
+
+if __name__ == "__main__":
+    import sys
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))

@@ -131,7 +131,7 @@ def test_families_without_kwargs_to_the_cache_stay_dynamic():
 @pytest.mark.parametrize("lean", [False, True])
 def test_compile_is_rented_before_it_is_bought(monkeypatch, lean):
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
-    monkeypatch.setitem(fast_path.COMPILE_SECONDS_ESTIMATE, "cpu", 1.0)
+    monkeypatch.setattr(fast_path, "COMPILE_SECONDS_ESTIMATE", 1.0)
     options = {"lean_step": lean}
     assert plan_for(target, drafter, cache_config=options).spec.compile is False
     saving = fast_path.COMPILED_STEP_SAVING["lean" if lean else "eager"]  # a lean step leaves less to save

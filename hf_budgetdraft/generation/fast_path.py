@@ -29,7 +29,7 @@ import inspect
 import re
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import CompileConfig, GenerationConfig
@@ -38,16 +38,13 @@ from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.scoped import attention_scope, using_attention
 from ..attention.varlen import NAME as VARLEN
 from ..few_row_linear import few_row_linear_applies, few_row_linears
+from .device_rules import DeviceRules, device_rules
 from .lean_step import lean_step_problem
 from .spec import AUTO, DraftSpec
 
 SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
-COMPILE_SECONDS_ESTIMATE = {
-    "cpu": 45.0,
-    "cuda": 60.0,
-}  # a cold inductor compilation of a small drafter's step
-# share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step (on CPU; on CUDA
-# the compiled step's CUDA graph also removes the kernel launches a lean step keeps, so it counts as eager there)
+COMPILE_SECONDS_ESTIMATE = 45.0  # a cold inductor compilation of a small drafter's step on CPU
+# share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step
 COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.2}
 _eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -95,9 +92,8 @@ def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> 
         and drafter._last_compile_config == compile_config
     ):
         return True
-    budget = COMPILE_SECONDS_ESTIMATE["cuda" if drafter.device.type == "cuda" else "cpu"]
-    saving = COMPILED_STEP_SAVING["lean" if lean and drafter.device.type != "cuda" else "eager"]
-    return _eager_step_seconds.get(drafter, 0.0) * saving >= budget
+    saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
+    return _eager_step_seconds.get(drafter, 0.0) * saving >= COMPILE_SECONDS_ESTIMATE
 
 
 def verify_attention(target, fast_verify: bool) -> str | None:
@@ -124,6 +120,8 @@ class DraftPlan:
         target_attention (`str`, *optional*): attention set on the target for the call (`None`: untouched).
         target_linear (`bool`): the target's linear layers run `few_row_linear` for the call.
         compile_config (`CompileConfig`, *optional*): how the one-token draft step compiles, when it does.
+        device_type (`str`): the drafter's device type the choices were made for (`device_rules.py`).
+        reasons (`dict[str, str]`): why each automatic choice came out as it did (measured, or an estimate).
     """
 
     spec: DraftSpec
@@ -135,6 +133,8 @@ class DraftPlan:
     target_attention: str | None = None
     target_linear: bool = False
     compile_config: CompileConfig | None = None
+    device_type: str = "cpu"
+    reasons: dict = field(default_factory=dict, compare=False)
 
     @contextlib.contextmanager
     def applied(self, target) -> Iterator[None]:
@@ -187,8 +187,9 @@ def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[
     return spec.draft_length, "default", threshold, start
 
 
-def _lean_step(asked: bool | str, static: bool, drafter) -> tuple[bool, str | None]:
-    """`(lean step on, why not)` for a call: `"auto"` turns it on with a static cache and a drafter it can run."""
+def _lean_step(asked: bool | str, static: bool, drafter, rules: DeviceRules) -> tuple[bool, str | None]:
+    """`(lean step on, why not)` for a call: `"auto"` turns it on with a static cache and a drafter it can run, on a
+    device whose rules allow it."""
     if asked is False:
         return False, None
     problem = None if static else "the draft cache is not static"
@@ -198,15 +199,65 @@ def _lean_step(asked: bool | str, static: bool, drafter) -> tuple[bool, str | No
             f"lean_step=True, but {problem}; drop lean_step (or set it to 'auto') to draft with the drafter's own "
             "forward"
         )
+    if asked == AUTO and problem is None and not rules.lean_step:
+        problem = f"{rules.device_type}: {rules.reasons['lean_step']}"
     return problem is None, problem
+
+
+def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
+    can_be_static = supports_static_cache(drafter)
+    if spec.static != AUTO:
+        if spec.static and not can_be_static:
+            raise ValueError(
+                f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
+                f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
+            )
+        return spec.static, "cache_config"
+    if not can_be_static:
+        return False, f"{type(drafter).__name__}'s attention does not pass its kwargs to cache.update"
+    if drafter.config._attn_implementation not in SDPA_FAMILY:
+        return (
+            False,
+            f"the drafter runs {drafter.config._attn_implementation!r}, not an sdpa-family attention",
+        )
+    return True, "the drafter's layers allow fixed slot buffers read by budgetdraft_varlen"
+
+
+def _compile_choice(
+    spec: DraftSpec, static: bool, lean: bool, drafter, call: GenerationConfig, rules: DeviceRules
+) -> tuple[bool, CompileConfig, str]:
+    """`(compile the one-token draft step, how, why)`; an explicit compile config on the drafter means "compile"."""
+    asked = drafter.generation_config.compile_config
+    config = asked or draft_step_compile_config(drafter.device)
+    compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
+    if compiled is True and not static:
+        raise ValueError(
+            "compile=True compiles the step of a static draft cache; drop compile or set static=True"
+        )
+    if call.disable_compile:
+        return False, config, "generate(disable_compile=True)"
+    if not static:
+        return False, config, "the draft cache is not static"
+    if compiled != AUTO:
+        return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
+    if rules.compile_from_first_call:
+        return True, config, rules.reasons["compile_from_first_call"]
+    pays = compile_pays(drafter, config, lean)
+    return pays, config, rules.reasons["compile_from_first_call"] + ("" if pays else " (not yet)")
 
 
 def resolve_plan(
     spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig, batched: bool = False
 ) -> DraftPlan:
     """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
-    several rows, whose draft caches are the ragged ones: never static, lean or compiled)."""
-    spec = spec.replace(prefill_window=spec.resolved_prefill_window(drafter.config, batched))
+    several rows, whose draft caches are the ragged ones: never static, lean or compiled), from the rules of the
+    drafter's device (`device_rules.py`); `DraftPlan.reasons` says why each choice came out as it did."""
+    rules = device_rules(drafter.device, drafter.dtype)
+    window = spec.resolved_prefill_window(drafter.config, batched)
+    window_reason = "cache_config" if spec.prefill_window != AUTO else rules.reasons["prefill_window"]
+    if spec.prefill_window == AUTO and not rules.prefill_window:
+        window = None
+    spec = spec.replace(prefill_window=window)
     if batched:
         if True in (spec.static, spec.lean_step, spec.compile):
             raise ValueError(
@@ -214,31 +265,14 @@ def resolve_plan(
                 "per-row caches. Drop them from cache_config for batched calls"
             )
         spec = spec.replace(static=False, lean_step=False, compile=False)
-    can_be_static = supports_static_cache(drafter)
-    static = spec.static
-    if static == AUTO:
-        static = drafter.config._attn_implementation in SDPA_FAMILY and can_be_static
-    if static and not can_be_static:
-        raise ValueError(
-            f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
-            f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
-        )
-    lean, lean_problem = _lean_step(spec.lean_step, static, drafter)
-    # an explicit compile config on the drafter means "compile"
-    asked = drafter.generation_config.compile_config
-    compile_config = asked or draft_step_compile_config(drafter.device)
-    compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
-    if compiled is True and not static:
-        raise ValueError(
-            "compile=True compiles the step of a static draft cache; drop compile or set static=True"
-        )
-    if call.disable_compile or not static:
-        compiled = False
-    elif compiled == AUTO:
-        compiled = compile_pays(drafter, compile_config, lean)
+    static, static_reason = _static_choice(spec, drafter)
+    lean, lean_problem = _lean_step(spec.lean_step, static, drafter, rules)
+    compiled, compile_config, compile_reason = _compile_choice(spec, static, lean, drafter, call, rules)
     length, source, threshold, start = _draft_length(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
+    target_rules = device_rules(target.device, target.dtype)
+    target_linear = spec.fast_verify and target_rules.few_row_linear and few_row_linear_applies(target)
     return DraftPlan(
         spec=spec.replace(static=static, lean_step=lean, compile=compiled, draft_length=length),
         draft_length_source=source,
@@ -247,6 +281,17 @@ def resolve_plan(
         heuristic_start=start,
         draft_attention=VARLEN if static else None,
         target_attention=verify_attention(target, spec.fast_verify),
-        target_linear=spec.fast_verify and few_row_linear_applies(target),
+        target_linear=target_linear,
         compile_config=compile_config if compiled else None,
+        device_type=rules.device_type,
+        reasons={
+            "static": static_reason,
+            "lean_step": lean_problem
+            or ("cache_config" if spec.lean_step is True else rules.reasons["lean_step"]),
+            "compile": compile_reason,
+            "prefill_window": window_reason,
+            "target_linear": target_rules.reasons["few_row_linear"] if spec.fast_verify else "fast_verify=False",
+            "draft_length": source,
+            "round_clock": rules.reasons["round_clock"],
+        },
     )

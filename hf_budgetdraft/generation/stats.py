@@ -189,18 +189,23 @@ def instrument(generator, stats: SpeculationStats) -> None:
     """Wrap a candidate generator's `get_candidates`/`update_candidate_strategy` to time and count rounds.
 
     Draft time = inside `get_candidates`; verify time = from its return to `update_candidate_strategy`, i.e. the
-    target's forward plus the acceptance step. The first round holds both prefills: `decode_draft_seconds` /
-    `decode_verify_seconds` leave it out, `target_prefill_seconds` / `draft_prefill_seconds` report them.
+    target's forward plus the acceptance step. A generator with its own `RoundClock` (`clock`) is read from it,
+    adding no device synchronisation; others are timed here, synchronising CUDA at each mark. The first round holds
+    both prefills: `decode_draft_seconds` / `decode_verify_seconds` leave it out, `target_prefill_seconds` /
+    `draft_prefill_seconds` report them.
     """
     stats.candidate_generator = generator
     get_candidates, update_strategy = generator.get_candidates, generator.update_candidate_strategy
+    clock = getattr(generator, "clock", None)
     round_state: dict = {}
 
     def timed_get_candidates(input_ids, **kwargs):
-        _synchronize(input_ids)
+        if clock is None:
+            _synchronize(input_ids)
         start = time.perf_counter()
         candidate_ids, candidate_logits = get_candidates(input_ids, **kwargs)
-        _synchronize(candidate_ids)
+        if clock is None:
+            _synchronize(candidate_ids)
         round_state.update(
             draft=time.perf_counter() - start,
             end=time.perf_counter(),
@@ -209,18 +214,17 @@ def instrument(generator, stats: SpeculationStats) -> None:
         return candidate_ids, candidate_logits
 
     def timed_update_candidate_strategy(input_ids, scores, num_matches):
-        _synchronize(input_ids)
-        stats.draft_prefill_seconds += getattr(generator, "draft_prefill_seconds", 0.0) - round_state.get(
-            "prefill_seen", 0.0
-        )
-        round_state["prefill_seen"] = getattr(generator, "draft_prefill_seconds", 0.0)
-        stats.add_round(
-            round_state["proposed"],
-            int(num_matches),
-            round_state["draft"],
-            time.perf_counter() - round_state["end"],
-        )
-        return update_strategy(input_ids, scores, num_matches)
+        if clock is None:
+            _synchronize(input_ids)
+            draft, verify = round_state["draft"], time.perf_counter() - round_state["end"]
+        result = update_strategy(input_ids, scores, num_matches)
+        if clock is not None:
+            draft, verify = clock.draft_seconds, clock.verify_seconds
+        prefill = getattr(generator, "draft_prefill_seconds", 0.0)
+        stats.draft_prefill_seconds += prefill - round_state.get("prefill_seen", 0.0)
+        round_state["prefill_seen"] = prefill
+        stats.add_round(round_state["proposed"], int(num_matches), draft, verify)
+        return result
 
     generator.get_candidates = timed_get_candidates
     generator.update_candidate_strategy = timed_update_candidate_strategy

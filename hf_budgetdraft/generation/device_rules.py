@@ -1,0 +1,88 @@
+"""The fast path's choices that depend on the device: one pure function from (device type, dtype) to what runs.
+
+Every automatic choice of a `DraftPlan` that differs between devices is decided here, each with its reason, which
+`stats.plan.reasons` reports: `measured` where a benchmark on such a device decided it (`docs/gpu.md`,
+`docs/results.md`), `estimate` where nothing measured it yet.
+
+- CPU: the CPU speed-ups on (the lean draft step, few-row linear layers for a float32 target, the windowed draft
+  prefill); the compiled draft step once it pays for its compilation (ski rental); rounds timed on the host clock.
+- CUDA: the CPU speed-ups off; the CUDA-graph draft step from the first call where the drafter allows it; rounds
+  timed with CUDA events read after the acceptance's own synchronisation (none added).
+- Other accelerators: the CPU speed-ups off, the compiled step once it pays, rounds synchronised and host-timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_CPU_SPEEDUP = "estimate: a CPU speed-up (it saves per-module Python and thread hand-offs, not device work)"
+
+
+@dataclass(frozen=True)
+class DeviceRules:
+    """What runs by default on one kind of device, each field with a reason in `reasons`.
+
+    Attributes:
+        device_type (`str`): `"cpu"`, `"cuda"`, ...
+        lean_step (`bool`): `"auto"` may turn the lean draft step on.
+        few_row_linear (`bool`): a float32 target's linear layers may run as few-row GEMMs.
+        prefill_window (`bool`): `"auto"` may prefill the drafter in windowed chunks.
+        compile_from_first_call (`bool`): `"auto"` compiles a static draft cache's step at once (else once it pays).
+        round_clock (`str`): `"events"` (device events read after the acceptance) or `"host"` (synchronised).
+        reasons (`dict[str, str]`): why, per field.
+    """
+
+    device_type: str
+    lean_step: bool
+    few_row_linear: bool
+    prefill_window: bool
+    compile_from_first_call: bool
+    round_clock: str
+    reasons: dict
+
+
+def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32) -> DeviceRules:
+    """The rules for a drafter (and target) on `device` in `dtype`."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return DeviceRules(
+            device_type="cpu",
+            lean_step=True,
+            few_row_linear=dtype == torch.float32,
+            prefill_window=True,
+            compile_from_first_call=False,
+            round_clock="host",
+            reasons={
+                "lean_step": "measured on CPU: a lean step costs less than the drafter's own forward",
+                "few_row_linear": "measured on CPU: few-row GEMMs use every thread for a float32 verification"
+                if dtype == torch.float32
+                else f"off for {dtype}: the few-row GEMMs are float32 kernels",
+                "prefill_window": "measured on CPU: a windowed draft prefill costs less than a full one",
+                "compile_from_first_call": "estimate: a cold CPU compilation costs tens of seconds, so the step "
+                "compiles once the eager steps have spent that",
+                "round_clock": "host clock: CPU work is synchronous",
+            },
+        )
+    cuda = kind == "cuda"
+    return DeviceRules(
+        device_type=kind,
+        lean_step=False,
+        few_row_linear=False,
+        prefill_window=False,
+        compile_from_first_call=cuda,
+        round_clock="events" if cuda else "host",
+        reasons={
+            "lean_step": _CPU_SPEEDUP,
+            "few_row_linear": _CPU_SPEEDUP,
+            "prefill_window": _CPU_SPEEDUP,
+            "compile_from_first_call": "measured on an H200: the CUDA-graph draft step compiles in seconds and "
+            "runs several times faster than the eager step"
+            if cuda
+            else "estimate: no measurement on this device; the step compiles once it pays",
+            "round_clock": "CUDA events read after the acceptance's own synchronisation"
+            if cuda
+            else "host clock after a device synchronisation",
+        },
+    )
