@@ -4,7 +4,7 @@ timed without a synchronisation of its own (CUDA faked on this CPU machine)."""
 import pytest
 import torch
 from test_draft_spec import plan_for
-from tiny_models import model_pair
+from tiny_models import model_pair, random_prompt
 
 from hf_budgetdraft.generation import draft_length
 from hf_budgetdraft.generation.device_rules import device_rules
@@ -49,8 +49,15 @@ def test_a_plan_for_a_cuda_drafter_takes_the_cuda_rules(monkeypatch):
     assert plan.device_type == "cuda" and plan.spec.static
     assert plan.spec.lean_step is False and plan.spec.prefill_window is None and plan.target_linear is False
     assert plan.spec.compile is True and plan.reasons["compile"].startswith("measured")
-    assert plan.compile_config.mode == "reduce-overhead"
-    assert set(plan.reasons) >= {"static", "lean_step", "compile", "prefill_window", "target_linear", "round_clock"}
+    assert plan.compile_config.mode == "reduce-overhead" and plan.compile_config.fullgraph
+    assert set(plan.reasons) >= {
+        "static",
+        "lean_step",
+        "compile",
+        "prefill_window",
+        "target_linear",
+        "round_clock",
+    }
     assert plan_for(target, drafter, disable_compile=True).spec.compile is False
     assert plan_for(target, drafter, cache_config={"lean_step": True}).spec.lean_step is True  # asked: kept
 
@@ -93,3 +100,39 @@ def test_a_cuda_round_adds_no_synchronisation(monkeypatch):
     assert synchronised == []
     assert [u[:2] for u in updates] == [(4, 2)] * 3
     assert all(u[2] == pytest.approx(0.25) and u[3] >= 0.0 for u in updates)
+
+
+@pytest.mark.parametrize(
+    "cache_config",
+    [{}, {"lean_step": False}, {"static": False}, {"draft_length": 3, "lean_step": False}],
+    ids=["lean", "static", "dynamic", "fixed"],
+)
+@pytest.mark.parametrize("cache", ["budgeted", "sink_window"])
+def test_the_draft_cache_length_is_kept_on_the_host(monkeypatch, cache, cache_config):
+    """The generator never reads a static cache's device-side length in a round; its host count must be exact."""
+    from hf_budgetdraft import record_speculation
+    from hf_budgetdraft.generation.candidate_generator import SparseDraftCandidateGenerator
+
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    checked = []
+    rollback = SparseDraftCandidateGenerator._update_past_and_masks
+
+    def checking(self, input_ids, *args, **kwargs):
+        result = rollback(self, input_ids, *args, **kwargs)
+        assert self.seen_tokens == int(self.draft_cache.get_seq_length()) <= input_ids.shape[-1] - 1
+        checked.append(self.seen_tokens)
+        return result
+
+    monkeypatch.setattr(SparseDraftCandidateGenerator, "_update_past_and_masks", checking)
+    ids = random_prompt(150)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    with record_speculation():
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=30,
+            cache_implementation=cache,
+            cache_config={"compile": False, **cache_config},
+        )
+    assert torch.equal(out, expected) and len(checked) > 3 and max(checked) > 150

@@ -87,6 +87,9 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self._lean_checked = False
         self._drafting = plan.drafting(assistant_model)
         self.draft_prefill_seconds = 0.0
+        # tokens the draft cache holds, kept on the host: a static cache's own count is a device tensor, and
+        # reading it would cost a device synchronisation twice a round (None: unknown, read the cache)
+        self.seen_tokens: int | None = 0
 
     # -- a round -------------------------------------------------------------------------------------------------
     def get_candidates(
@@ -115,9 +118,12 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         cache = self.assistant_kwargs.get(CACHE_KWARG)
         if cache is None:
             return False
-        excess = int(cache.get_seq_length()) - (input_ids.shape[-1] - 1)
+        seen = self.seen_tokens if self.seen_tokens is not None else int(cache.get_seq_length())
+        excess = seen - (input_ids.shape[-1] - 1)
         if excess >= 0:
             cache.crop(-excess)
+            if self.seen_tokens is not None:
+                self.seen_tokens = seen - excess
         self.assistant_kwargs = prepare_draft_inputs(
             self.assistant_kwargs, input_ids.shape[-1], self.assistant_model.config.is_encoder_decoder
         )
@@ -125,6 +131,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
 
     def _generate_candidates(self, generation_args: dict):
         if generation_args[self.input_ids_key].shape[0] != 1:  # batches keep the nested assistant generate()
+            self.seen_tokens = None
             return super()._generate_candidates(generation_args)
         return self._draft(generation_args)
 
@@ -249,15 +256,18 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
         padded = mask is not None and not bool(mask.all())
-        # (1, n_new): what the draft cache has not seen yet (its length read once a round: a device tensor on a
-        # static cache); a copy, not a strided view of ids, which a compiled step would see as a new input layout
-        feed = ids[:, int(self.draft_cache.get_seq_length()) :].clone(memory_format=torch.contiguous_format)
+        # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled
+        # step would see as a new input layout
+        seen = self.seen_tokens if self.seen_tokens is not None else int(self.draft_cache.get_seq_length())
+        feed = ids[:, seen:].clone(memory_format=torch.contiguous_format)
         scores = []
         for step in range(max_new):
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(1, ids.shape[1] - mask.shape[1])], dim=-1)
             past = ids.shape[1] - feed.shape[1]
             logits = self._forward(feed, past, mask, padded, prefill=past == 0)  # (1, V)
+            if self.seen_tokens is not None:
+                self.seen_tokens = ids.shape[1]
             # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list
             for processor in processors:
                 logits = processor(ids, logits)

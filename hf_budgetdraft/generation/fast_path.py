@@ -52,13 +52,14 @@ _eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
     """How to compile a static draft cache's one-token step (set it as `drafter.generation_config.compile_config`).
 
-    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: CUDA graphs (`reduce-overhead`).
+    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: CUDA graphs (`reduce-overhead`)
+    over one whole graph (`fullgraph=True`: torch 2.11's graph partitions broke on the pieces of a split step).
     Elsewhere: inductor with its C++ wrapper, which calls the generated kernels from C++ instead of a Python
     wrapper; for a small drafter the step is mostly that overhead. The C++ wrapper makes the first compilation
     slower.
     """
     if torch.device(device).type == "cuda":
-        return CompileConfig(dynamic=False, mode="reduce-overhead")
+        return CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
     return CompileConfig(dynamic=False, mode=None, options={"cpp_wrapper": True})
 
 
@@ -290,7 +291,9 @@ def resolve_plan(
             or ("cache_config" if spec.lean_step is True else rules.reasons["lean_step"]),
             "compile": compile_reason,
             "prefill_window": window_reason,
-            "target_linear": target_rules.reasons["few_row_linear"] if spec.fast_verify else "fast_verify=False",
+            "target_linear": target_rules.reasons["few_row_linear"]
+            if spec.fast_verify
+            else "fast_verify=False",
             "draft_length": source,
             "round_clock": rules.reasons["round_clock"],
         },
