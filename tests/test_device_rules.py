@@ -49,7 +49,8 @@ def test_a_plan_for_a_cuda_drafter_takes_the_cuda_rules(monkeypatch):
     assert plan.device_type == "cuda" and plan.spec.static
     assert plan.spec.lean_step is False and plan.spec.prefill_window is None and plan.target_linear is False
     assert plan.spec.compile is True and plan.reasons["compile"].startswith("measured")
-    assert plan.compile_config.mode == "reduce-overhead" and plan.compile_config.fullgraph
+    assert plan.compile_config.options == {"triton.cudagraphs": True, "graph_partition": False}
+    assert plan.compile_config.fullgraph and plan.compile_config.dynamic is False
     assert set(plan.reasons) >= {
         "static",
         "lean_step",

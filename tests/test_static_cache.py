@@ -244,7 +244,8 @@ def test_draft_step_compile_config_per_device():
     drafter is mostly the Python wrapper's overhead otherwise)."""
     cpu, cuda = draft_step_compile_config("cpu"), draft_step_compile_config(torch.device("cuda", 0))
     assert (cpu.dynamic, cpu.mode, cpu.options) == (False, None, {"cpp_wrapper": True})
-    assert (cuda.dynamic, cuda.mode, cuda.options) == (False, "reduce-overhead", None)
+    assert (cuda.dynamic, cuda.fullgraph, cuda.mode) == (False, True, None)
+    assert cuda.options == {"triton.cudagraphs": True, "graph_partition": False}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -52,14 +52,19 @@ _eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
     """How to compile a static draft cache's one-token step (set it as `drafter.generation_config.compile_config`).
 
-    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: CUDA graphs (`reduce-overhead`)
-    over one whole graph (`fullgraph=True`: torch 2.11's graph partitions broke on the pieces of a split step).
-    Elsewhere: inductor with its C++ wrapper, which calls the generated kernels from C++ instead of a Python
-    wrapper; for a small drafter the step is mostly that overhead. The C++ wrapper makes the first compilation
-    slower.
+    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: one whole graph replayed as a CUDA
+    graph (`reduce-overhead`'s `triton.cudagraphs`) without inductor's graph partitions, whose generated code
+    failed on torch 2.11 for this step while the unpartitioned graph ran (`docs/gpu.md`). Elsewhere: inductor
+    with its C++ wrapper, which calls the generated kernels from C++ instead of a Python wrapper; for a small
+    drafter the step is mostly that overhead. The C++ wrapper makes the first compilation slower.
     """
     if torch.device(device).type == "cuda":
-        return CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+        return CompileConfig(
+            fullgraph=True,
+            dynamic=False,
+            mode=None,
+            options={"triton.cudagraphs": True, "graph_partition": False},
+        )
     return CompileConfig(dynamic=False, mode=None, options={"cpp_wrapper": True})
 
 
