@@ -18,8 +18,8 @@ from .cache import (
     StreamingPolicy,
     cache_nbytes,
 )
-from .generation.fast_path import DraftPlan, draft_step_compile_config
-from .generation.spec import DraftSpec
+from .generation.compiled_step import draft_step_compile_config
+from .generation.plan import DraftPlan, DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
 
 integration.install()

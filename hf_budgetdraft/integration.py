@@ -6,7 +6,7 @@
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
   static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa` and (float32 on CPU) on
-  few-row linear layers — for that call only (`attention/scoped.py`, `few_row_linear.py`): the models are
+  few-row linear layers — for that call only (`attention/scoped.py`, `cpu/few_row_linear.py`): the models are
   never written to, so calls in other threads on the same models are unaffected.
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
@@ -49,11 +49,10 @@ from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
-from .few_row_linear import few_row_linears
+from .cpu import few_row_linears
 from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
-from .generation.fast_path import DraftPlan, resolve_plan, verify_attention
 from .generation.mtp import (
     AdaptiveMtpCandidateGenerator,
     expose_mtp_layers,
@@ -61,7 +60,7 @@ from .generation.mtp import (
     mtp_fast_verify,
     windowed_mtp_cache,
 )
-from .generation.spec import CACHE_CLASSES, DraftSpec
+from .generation.plan import CACHE_CLASSES, DraftPlan, DraftSpec, resolve_plan, verify_attention
 from .generation.stats import active_recorder, instrument
 
 logger = logging.get_logger(__name__)

@@ -28,9 +28,9 @@ from .attention.scoped import using_attention
 from .cache.base import cache_nbytes
 from .cache.growable import GrowableCache
 from .compat import CACHE_KWARG, output_cache
-from .few_row_linear import few_row_linears
-from .generation.fast_path import draft_step_compile_config
-from .generation.spec import DraftSpec
+from .cpu import few_row_linears
+from .generation.compiled_step import draft_step_compile_config
+from .generation.plan import DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
 
 # plain-AR baselines besides the target as loaded (see `ar_setup`)
@@ -204,7 +204,7 @@ def ar_setup(target, setup: str | None, capacity: int) -> Iterator[dict]:
     `setup=None`: the target as loaded, on transformers' default cache (the reference every speculative call must
     reproduce); `"stock"`: transformers' own `sdpa` attention (restored after); `"growable"`: a `GrowableCache` of
     `capacity` tokens (in-place appends); `"fast"`: both `budgetdraft_sdpa` and a `GrowableCache`, the fastest plain
-    AR this package has (with few-row linear layers for a float32 target on CPU, `few_row_linear.py`).
+    AR this package has (with few-row linear layers for a float32 target on CPU, `cpu/few_row_linear.py`).
     """
     if setup is not None and setup not in AR_SETUPS:
         raise ValueError(f"setup must be None or one of {AR_SETUPS}, got {setup!r}")

@@ -17,7 +17,7 @@ from tiny_models import model_pair, random_prompt
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_budgetdraft.attention.scoped import model_configs
-from hf_budgetdraft.few_row_linear import runs_few_row
+from hf_budgetdraft.cpu.few_row_linear import runs_few_row
 
 NEW = 12
 TIMEOUT = 120  # seconds a paused call waits before failing the test instead of hanging it

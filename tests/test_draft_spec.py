@@ -7,8 +7,8 @@ from tiny_models import FAMILIES, model_pair, random_prompt, supports
 from transformers import GenerationConfig
 
 from hf_budgetdraft import DraftSpec, record_speculation
-from hf_budgetdraft.generation import fast_path
-from hf_budgetdraft.generation.fast_path import resolve_plan
+from hf_budgetdraft.generation import compiled_step
+from hf_budgetdraft.generation.plan import resolve_plan
 
 NEW_TOKENS = 24
 LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3", "granite"}  # what the lean draft step can run
@@ -131,13 +131,15 @@ def test_families_without_kwargs_to_the_cache_stay_dynamic():
 @pytest.mark.parametrize("lean", [False, True])
 def test_compile_is_rented_before_it_is_bought(monkeypatch, lean):
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
-    monkeypatch.setattr(fast_path, "COMPILE_SECONDS_ESTIMATE", 1.0)
+    monkeypatch.setattr(compiled_step, "COMPILE_SECONDS_ESTIMATE", 1.0)
     options = {"lean_step": lean}
     assert plan_for(target, drafter, cache_config=options).spec.compile is False
-    saving = fast_path.COMPILED_STEP_SAVING["lean" if lean else "eager"]  # a lean step leaves less to save
-    fast_path.record_eager_steps(drafter, 0.9 / saving)  # saves 0.9 s of a 1 s compilation: not yet
+    saving = compiled_step.COMPILED_STEP_SAVING[
+        "lean" if lean else "eager"
+    ]  # a lean step leaves less to save
+    compiled_step.record_eager_steps(drafter, 0.9 / saving)  # saves 0.9 s of a 1 s compilation: not yet
     assert plan_for(target, drafter, cache_config=options).spec.compile is False
-    fast_path.record_eager_steps(drafter, 0.2 / saving)
+    compiled_step.record_eager_steps(drafter, 0.2 / saving)
     assert plan_for(target, drafter, cache_config=options).spec.compile is True
     assert plan_for(target, drafter, cache_config={"compile": False}).spec.compile is False
     assert plan_for(target, drafter, disable_compile=True).spec.compile is False
@@ -161,7 +163,7 @@ def test_a_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
             cache_implementation="budgeted", cache_config={"budget": 32, "compile": True},
         )  # fmt: skip
     assert torch.equal(out, expected)
-    assert stats.plan.spec.compile is True and stats.candidate_generator._compiled is False
+    assert stats.plan.spec.compile is True and not stats.candidate_generator.steps.compiled
 
 
 @pytest.mark.parametrize("name,cache_config", [("sink_window", {}), ("budgeted", {})])

@@ -10,7 +10,7 @@ from tiny_models import model_pair, random_prompt
 from torch import nn
 
 from hf_budgetdraft import record_speculation
-from hf_budgetdraft.few_row_linear import (
+from hf_budgetdraft.cpu.few_row_linear import (
     MAX_ROWS,
     few_row_linear,
     few_row_linear_applies,

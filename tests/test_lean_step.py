@@ -7,8 +7,8 @@ import torch
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
 
 from hf_budgetdraft import DraftSpec, record_speculation
-from hf_budgetdraft.generation import candidate_generator
-from hf_budgetdraft.generation.lean_step import LeanDraftStep, lean_step_problem
+from hf_budgetdraft.cpu.lean_step import LeanDraftStep, lean_step_problem
+from hf_budgetdraft.generation import draft_steps
 
 LLAMA_LAYOUT = ["llama", "mistral", "qwen2", "qwen3", "granite"]
 SMALL = {
@@ -81,14 +81,15 @@ def test_the_one_liner_drafts_lean_and_stays_lossless(family):
         )
     assert torch.equal(out, expected)
     generator = stats.candidate_generator
-    assert stats.plan.spec.lean_step is True and generator._lean is not None and generator._lean_checked
+    lean = generator.steps.block
+    assert stats.plan.spec.lean_step is True and lean.checked and not lean.failed
     assert sum(stats.accepted_per_round) > 0
 
 
 def test_a_drafter_that_computes_something_else_drafts_with_its_own_forward(caplog, monkeypatch):
     """Granite has Llama's module names but scales its logits: the first-step check catches it, warns once and
     the call drafts with the drafter's own forward (the output is the target's either way)."""
-    monkeypatch.setattr(candidate_generator.logger, "warning_once", candidate_generator.logger.warning)
+    monkeypatch.setattr(draft_steps.logger, "warning_once", draft_steps.logger.warning)
     target, drafter = model_pair("granite", "sdpa", num_assistant_tokens=None)
     drafter.config.logits_scaling = 4.0
     assert lean_step_problem(drafter) is None
@@ -100,7 +101,7 @@ def test_a_drafter_that_computes_something_else_drafts_with_its_own_forward(capl
             ids, assistant_model=drafter, max_new_tokens=24, cache_implementation="budgeted"
         )
     assert torch.equal(out, expected)
-    assert stats.plan.spec.lean_step is True and stats.candidate_generator._lean is None
+    assert stats.plan.spec.lean_step is True and stats.candidate_generator.steps.block.failed
     assert "lean draft step and GraniteForCausalLM's own forward disagree" in caplog.text
 
 

@@ -112,7 +112,7 @@ def skip_unless_known(model_type: str) -> None:
 def skip_unless_static(model) -> None:
     """Skip a test of a static draft cache on a transformers whose attention layers do not pass their kwargs to
     `cache.update` (before 5.24): there the one-liner drafts on the dynamic cache."""
-    from hf_budgetdraft.generation.fast_path import supports_static_cache
+    from hf_budgetdraft.generation.plan import supports_static_cache
 
     if not supports_static_cache(model):
         pytest.skip(

@@ -15,7 +15,7 @@ from transformers import TextStreamer
 from ..cache.base import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
 from ..eval.greedy_diff import divergence_margin, token_diff
-from ..generation.spec import DraftSpec
+from ..generation.plan import DraftSpec
 from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
 from ..random_models import random_pair
 from ..timing import RunResult, ar_setup, configure_drafter, timed_generate

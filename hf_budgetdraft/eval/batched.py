@@ -26,7 +26,7 @@ from ..attention.scoped import using_attention
 from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
 from ..compat import cache_kwargs, output_cache
-from ..few_row_linear import few_row_linears
+from ..cpu import few_row_linears
 from ..generation.batched import full_draft_cache
 from ..generation.stats import SpeculationStats, record_speculation
 from ..timing import ChunkTimer as _TimingStreamer

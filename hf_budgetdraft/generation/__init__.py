@@ -1,8 +1,9 @@
 """Speculative decoding on sparse draft caches, as `integration.py` plugs it into transformers' `generate()`.
 
-- `spec`: `DraftSpec`, what a call asks for (cache, sizes, draft length, compile, fast verify);
-- `fast_path`: `DraftPlan`, that spec resolved for a target/drafter pair (static cache, compile, attention);
+- `plan`: `DraftSpec`, what a call asks for, and `DraftPlan`, that spec resolved for a target/drafter pair;
+- `device_rules`: the plan's device-dependent choices; `compiled_step`: how the draft step compiles, and when;
 - `candidate_generator`: `SparseDraftCandidateGenerator`, the drafter on its sparse cache inside assisted generation;
+- `draft_steps`: the draft's forwards as step objects (prefill, block, one-token: eager, lean, compiled);
 - `draft_length`: how many tokens a round drafts (fixed, transformers' heuristic, adaptive);
 - `acceptance`: greedy and speculative-sampling acceptance of a round's drafts;
 - `batched`: the ragged batched loop (every row advances by its own accepted count);
@@ -13,11 +14,11 @@
 from .acceptance import greedy_accept, speculative_accept
 from .batched import run_batched, run_sparse_batch
 from .candidate_generator import SparseDraftCandidateGenerator
+from .compiled_step import draft_step_compile_config
 from .dflash import windowed_dflash_cache
 from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, HeuristicDraftLength
-from .fast_path import DraftPlan, draft_step_compile_config, resolve_plan
 from .mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp, windowed_mtp_cache
-from .spec import DraftSpec
+from .plan import DraftPlan, DraftSpec, resolve_plan
 from .stats import SpeculationStats, record_speculation
 
 __all__ = [

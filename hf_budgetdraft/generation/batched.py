@@ -50,7 +50,7 @@ from ..compat import cache_kwargs
 from .acceptance import greedy_accept, speculative_accept
 from .candidate_generator import make_draft_length
 from .draft_length import FixedDraftLength
-from .fast_path import DraftPlan
+from .plan import DraftPlan
 from .row_draft_length import RowDraftLength, SharedDraftLength
 from .stats import active_recorder
 

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
-from transformers.utils import logging
 
-from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, SparseDraftCache
-from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
-from ..compat import CACHE_KWARG, activate_past_recording, cache_kwargs, prepare_draft_inputs
+from ..compat import CACHE_KWARG, activate_past_recording, prepare_draft_inputs
+from .compiled_step import record_eager_steps
 from .draft_length import (
     AdaptiveDraftLength,
     DraftLength,
@@ -21,16 +15,8 @@ from .draft_length import (
     HeuristicDraftLength,
     RoundClock,
 )
-from .fast_path import DraftPlan, record_eager_steps
-from .lean_step import LeanDraftStep, same_logits
-
-logger = logging.get_logger(__name__)
-_first_compiled_call = threading.Lock()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .draft_steps import DraftSteps
+from .plan import DraftPlan
 
 
 def make_draft_length(plan: DraftPlan) -> DraftLength:
@@ -77,19 +63,17 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.draft_length = make_draft_length(plan)
         self.clock = RoundClock(self.draft_length, assistant_model.device)
         policy = getattr(draft_cache, "policy", None)
-        self._capture_prefill_queries = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
-        self._compiled = plan.spec.compile
-        self._draft_step = (
-            assistant_model.get_compiled_call(plan.compile_config) if self._compiled else assistant_model
-        )
-        self._compile_checked = False
-        self._lean = LeanDraftStep(assistant_model) if plan.spec.lean_step else None
-        self._lean_checked = False
+        capture = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
+        self.steps = DraftSteps.for_plan(plan, assistant_model, draft_cache, capture_queries=capture)
         self._drafting = plan.drafting(assistant_model)
-        self.draft_prefill_seconds = 0.0
         # tokens the draft cache holds, kept on the host: a static cache's own count is a device tensor, and
         # reading it would cost a device synchronisation twice a round (None: unknown, read the cache)
         self.seen_tokens: int | None = 0
+
+    @property
+    def draft_prefill_seconds(self) -> float:
+        """Seconds the drafter's prefills took in this call (read by `record_speculation`)."""
+        return self.steps.prefill.seconds
 
     # -- a round -------------------------------------------------------------------------------------------------
     def get_candidates(
@@ -107,7 +91,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         self.clock.finish(int(num_matches))
-        if self.clock.drafted_tokens and self.plan.spec.static and not self._compiled:
+        if self.clock.drafted_tokens and self.plan.spec.static and not self.steps.compiled:
             record_eager_steps(self.assistant_model, self.clock.draft_seconds)
 
     def _update_past_and_masks(self, input_ids: torch.LongTensor, *args, **kwargs) -> bool:
@@ -136,105 +120,6 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         return self._draft(generation_args)
 
     # -- the draft loop ------------------------------------------------------------------------------------------
-    def _forward(
-        self, feed: torch.LongTensor, past: int, mask: torch.Tensor | None, padded: bool, prefill: bool
-    ) -> torch.Tensor:
-        """Next-token logits `(1, V)` after feeding `feed` `(1, n)` at positions `past..past + n - 1`
-        (`prefill`: the draft cache was empty; the drafter's prefill is timed)."""
-        one_token = feed.shape[1] == 1 and not padded
-        lean = self._lean is not None and feed.shape[1] <= self.plan.spec.slack
-        if lean and not (prefill or padded or (one_token and self._compiled)):
-            return self._lean_forward(feed, past)
-        forward = self._draft_step if one_token else self.assistant_model
-        start = time.perf_counter() if prefill else 0.0
-        window = self.plan.spec.prefill_window
-        if prefill and window is not None and feed.shape[1] > window and not padded:
-            logits = self._windowed_prefill(feed, window)
-            _synchronize(feed.device)
-            self.draft_prefill_seconds += time.perf_counter() - start
-            return logits
-        inputs = {
-            "input_ids": feed,
-            # an all-ones mask changes nothing, and its growing length would recompile a compiled step
-            "attention_mask": mask if padded else None,
-            "position_ids": torch.arange(past, past + feed.shape[1], device=feed.device)[None],
-            **cache_kwargs(self.draft_cache),
-            "use_cache": True,
-            "logits_to_keep": 1,
-        }
-        capture = prefill and self._capture_prefill_queries
-        with query_capture(self.assistant_model) if capture else contextlib.nullcontext():
-            if forward is self.assistant_model or self._compile_checked:
-                logits = forward(**inputs).logits[:, -1, :]
-            else:
-                logits = self._first_compiled_step(inputs)
-        if prefill:
-            _synchronize(feed.device)
-            self.draft_prefill_seconds += time.perf_counter() - start
-        # a compiled step's output lives in its CUDA graph's pool, overwritten by the next replay: always a copy
-        return logits.to(torch.float32, copy=forward is self._draft_step and self._compiled)
-
-    def _lean_forward(self, feed: torch.LongTensor, past: int) -> torch.Tensor:
-        """`_forward` through the lean step. Its first block in a call also runs the drafter's own forward (after
-        rolling the lean step's write back) and keeps drafting lean only if both gave the same logits."""
-        positions = torch.arange(past, past + feed.shape[1], device=feed.device)[None]
-        logits = self._lean(feed, positions, self.draft_cache)
-        if self._lean_checked:
-            return logits.float()
-        self._lean_checked = True
-        self.draft_cache.crop(-feed.shape[1])
-        reference = self.assistant_model(
-            input_ids=feed,
-            position_ids=positions,
-            **cache_kwargs(self.draft_cache),
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
-        if not same_logits(logits, reference):
-            logger.warning_once(
-                f"the lean draft step and {type(self.assistant_model).__name__}'s own forward disagree (largest "
-                f"logit difference {float((logits - reference).abs().max()):.3g}); drafting with the drafter's "
-                "forward. Pass cache_config={'lean_step': False} to skip the check"
-            )
-            self._lean = None
-        return reference.float()
-
-    def _windowed_prefill(self, prompt: torch.LongTensor, window: int) -> torch.Tensor:
-        """Prefill the drafter in windowed chunks (`cache/windowed_prefill.py`), then fill the draft cache with the
-        recorded prompt keys/values through its own layers' `update`; the last position's logits `(1, V)`."""
-        recorder, logits = windowed_prefill(
-            self.assistant_model, prompt, self.plan.spec.num_sink_tokens, window
-        )
-        fill_from_prefix(self.draft_cache, *recorder.prompt_states())
-        return logits
-
-    def _first_compiled_step(self, inputs: dict) -> torch.Tensor:
-        """The first call of the compiled step compiles it; if compiling fails (no C++ compiler, an unsupported
-        op), warn once and keep drafting eagerly — unless the failed call already wrote to the cache."""
-        lengths = self._static_lengths()
-        try:
-            with _first_compiled_call:  # one thread compiles; the others then reuse its graph
-                logits = self._draft_step(**inputs).logits[:, -1, :]
-        except Exception as error:  # any compiler failure; the eager step is the same computation
-            if self._static_lengths() != lengths:
-                raise
-            logger.warning_once(
-                f"compiling the draft step failed ({type(error).__name__}: {error}); drafting eagerly instead. "
-                "Pass cache_config={'compile': False} to skip the attempt."
-            )
-            logger.debug("the draft step's compilation failed", exc_info=True)
-            self._draft_step, self._compiled = self.assistant_model, False
-            logits = self.assistant_model(**inputs).logits[:, -1, :]
-        self._compile_checked = True
-        return logits
-
-    def _static_lengths(self) -> list[int]:
-        return [
-            int(layer.length)
-            for layer in self.draft_cache.layers
-            if torch.is_tensor(getattr(layer, "length", None))
-        ]
-
     @torch.no_grad()  # like generate(): inference tensors would break a static cache's in-place bookkeeping
     def _draft(self, generation_args: dict) -> tuple[torch.LongTensor, torch.Tensor]:
         """Draft up to `max_new_tokens` tokens with a plain forward loop (no nested `assistant_model.generate()`).
@@ -242,8 +127,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         Greedy: the argmax of the processed logits. Sampling: a token drawn from the processed distribution (the
         call's temperature / top-k / top-p processors), whose logits are returned for the acceptance test
         (Leviathan et al., arXiv 2211.17192, Algorithm 1). EOS is suppressed for the first `min_new_tokens`; a
-        round stops after EOS or below the plan's confidence threshold. Blocks of up to `slack` tokens without
-        padding run the lean step when the plan says so, one-token steps the compiled step when it says so.
+        round stops after EOS or below the plan's confidence threshold. Each forward runs the call's step for
+        its kind (`DraftSteps`: the prefill, a block, a one-token step, a padded row).
 
         Returns `(candidate_ids (1, L + n), candidate_logits (1, n, V))`, `1 <= n <= max_new_tokens`.
         """
@@ -264,8 +149,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         for step in range(max_new):
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(1, ids.shape[1] - mask.shape[1])], dim=-1)
-            past = ids.shape[1] - feed.shape[1]
-            logits = self._forward(feed, past, mask, padded, prefill=past == 0)  # (1, V)
+            logits = self.steps(feed, ids.shape[1] - feed.shape[1], mask if padded else None)  # (1, V)
             if self.seen_tokens is not None:
                 self.seen_tokens = ids.shape[1]
             # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list

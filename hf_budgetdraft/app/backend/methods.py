@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ...generation.spec import DraftSpec
+from ...generation.plan import DraftSpec
 from ...timing import configure_drafter
 from .request import DEFAULT_SPEC, METHOD_LABELS, MTP_METHODS, DemoInputError, RunRequest
 from .store import ModelPair

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ...cache.policies import POLICIES
-from ...generation.spec import DraftSpec
+from ...generation.plan import DraftSpec
 from ..config import AppArguments
 
 DEFAULT_SPEC = DraftSpec()  # the app's defaults are the package's

@@ -1,0 +1,56 @@
+"""The compiled one-token draft step: how it compiles (`draft_step_compile_config`) and, where the device rules
+rent before they buy, when its compilation pays (`compile_pays`).
+
+On CPU a compilation costs seconds to tens of seconds and a step saves a fraction of a millisecond, so `"auto"`
+compiles once this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager static
+draft steps of that drafter (ski rental), and reuses a step compiled earlier in the process at once.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import CompileConfig
+
+COMPILE_SECONDS_ESTIMATE = 45.0  # a cold inductor compilation of a small drafter's step on CPU
+# share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step
+COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.2}
+# eager static-step seconds per drafter in this process (weak keys: a drafter that is dropped is forgotten)
+_eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
+    """How to compile a static draft cache's one-token step (set it as `drafter.generation_config.compile_config`).
+
+    One graph of fixed shapes (`dynamic=False`) for the whole generation. CUDA: one whole graph replayed as a CUDA
+    graph (`reduce-overhead`'s `triton.cudagraphs`) without inductor's graph partitions, whose generated code
+    failed on torch 2.11 for this step while the unpartitioned graph ran (`docs/gpu.md`). Elsewhere: inductor
+    with its C++ wrapper, which calls the generated kernels from C++ instead of a Python wrapper; for a small
+    drafter the step is mostly that overhead. The C++ wrapper makes the first compilation slower.
+    """
+    if torch.device(device).type == "cuda":
+        return CompileConfig(
+            fullgraph=True,
+            dynamic=False,
+            mode=None,
+            options={"triton.cudagraphs": True, "graph_partition": False},
+        )
+    return CompileConfig(dynamic=False, mode=None, options={"cpp_wrapper": True})
+
+
+def record_eager_steps(drafter, seconds: float) -> None:
+    """Add eager static draft-step time spent by `drafter` in this process (the rent of the ski rental)."""
+    _eager_step_seconds[drafter] = _eager_step_seconds.get(drafter, 0.0) + seconds
+
+
+def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> bool:
+    """A step compiled earlier in this process is reused; otherwise compile once the uncompiled steps spent so far
+    (`lean`: lean steps) would have paid for the compilation."""
+    if (
+        getattr(drafter, "_compiled_call", None) is not None
+        and drafter._last_compile_config == compile_config
+    ):
+        return True
+    saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
+    return _eager_step_seconds.get(drafter, 0.0) * saving >= COMPILE_SECONDS_ESTIMATE

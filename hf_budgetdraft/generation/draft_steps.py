@@ -1,0 +1,177 @@
+"""The draft's forward passes as step objects, chosen once per call from its plan (`DraftSteps.for_plan`).
+
+Every step takes `feed (1, n)` token ids at `positions (1, n)` (and a padding mask where the row has one), writes
+the draft cache as the drafter's own forward would, and returns the last position's logits `(1, V)` in float32:
+
+- `EagerStep`: the drafter's own forward;
+- `CompiledStep`: that forward compiled for one-token steps (CUDA graphs on CUDA), eager if compiling fails;
+- `CheckedLeanStep`: the lean step (`cpu/lean_step.py`) for blocks of up to `slack` tokens, checked once against the
+  drafter's own forward;
+- `Prefill`: the drafter's prefill of the prompt, windowed (`cache/windowed_prefill.py`) or eager, capturing the
+  queries a budgeted policy scores the prompt with, timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from ..attention.query_capture import query_capture
+from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
+from ..compat import cache_kwargs
+from ..cpu import LeanDraftStep, same_logits
+
+logger = logging.get_logger(__name__)
+_first_compiled_call = threading.Lock()
+
+
+class EagerStep:
+    """The drafter's own forward on its draft cache."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+
+    def __call__(self, feed, positions, mask=None) -> torch.Tensor:
+        out = self.model(
+            input_ids=feed,
+            # an all-ones mask changes nothing, and its growing length would recompile a compiled step
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_kwargs(self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()
+
+
+class CompiledStep:
+    """The one-token step compiled with `compile_config`. Its first call compiles (under a process-wide lock: one
+    thread compiles, the others reuse its graph); if compiling fails it warns once and runs `fallback` from then on,
+    unless the failed call already wrote to the cache. Logits are copied out of the CUDA graph's memory, which the
+    next replay overwrites."""
+
+    def __init__(self, model, cache, compile_config, fallback: EagerStep):
+        self.cache, self.fallback = cache, fallback
+        self.compiled = EagerStep(model.get_compiled_call(compile_config), cache)
+        self.checked, self.failed = False, False
+
+    def __call__(self, feed, positions, mask=None) -> torch.Tensor:
+        if self.failed:
+            return self.fallback(feed, positions)
+        if self.checked:
+            return self.compiled(feed, positions).clone()
+        lengths = self._static_lengths()
+        try:
+            with _first_compiled_call:
+                logits = self.compiled(feed, positions).clone()
+        except Exception as error:  # any compiler failure; the eager step is the same computation
+            if self._static_lengths() != lengths:
+                raise
+            logger.warning_once(
+                f"compiling the draft step failed ({type(error).__name__}: {error}); drafting eagerly instead. "
+                "Pass cache_config={'compile': False} to skip the attempt."
+            )
+            logger.debug("the draft step's compilation failed", exc_info=True)
+            self.failed = True
+            logits = self.fallback(feed, positions)
+        self.checked = True
+        return logits
+
+    def _static_lengths(self) -> list[int]:
+        return [
+            int(layer.length)
+            for layer in self.cache.layers
+            if torch.is_tensor(getattr(layer, "length", None))
+        ]
+
+
+class CheckedLeanStep:
+    """The lean step for blocks of up to `slack` tokens (longer ones run `fallback`). Its first block also runs the
+    drafter's own forward (after rolling the lean step's write back) and it keeps running lean only if both gave the
+    same logits."""
+
+    def __init__(self, model, cache, slack: int, fallback: EagerStep):
+        self.lean, self.cache, self.slack, self.fallback = LeanDraftStep(model), cache, slack, fallback
+        self.checked, self.failed = False, False
+
+    def __call__(self, feed, positions, mask=None) -> torch.Tensor:
+        if self.failed or feed.shape[1] > self.slack:
+            return self.fallback(feed, positions)
+        logits = self.lean(feed, positions, self.cache)
+        if self.checked:
+            return logits.float()
+        self.checked = True
+        self.cache.crop(-feed.shape[1])
+        reference = self.fallback(feed, positions)
+        if not same_logits(logits, reference):
+            logger.warning_once(
+                f"the lean draft step and {type(self.fallback.model).__name__}'s own forward disagree (largest "
+                f"logit difference {float((logits - reference).abs().max()):.3g}); drafting with the drafter's "
+                "forward. Pass cache_config={'lean_step': False} to skip the check"
+            )
+            self.failed = True
+        return reference
+
+
+class Prefill:
+    """The drafter's prefill of the prompt: in windowed chunks when the prompt is longer than `window` (then the
+    draft cache is filled from the recorded keys/values through its layers' `update`), else its own forward,
+    capturing the prefill's queries when `capture_queries`. `seconds` accumulates its time (device synchronised)."""
+
+    def __init__(self, eager: EagerStep, window: int | None, num_sink_tokens: int, capture_queries: bool):
+        self.eager, self.window, self.num_sink_tokens = eager, window, num_sink_tokens
+        self.capture_queries, self.seconds = capture_queries, 0.0
+
+    def __call__(self, feed, positions, mask=None) -> torch.Tensor:
+        start = time.perf_counter()
+        model, cache = self.eager.model, self.eager.cache
+        if self.window is not None and feed.shape[1] > self.window and mask is None:
+            recorder, logits = windowed_prefill(model, feed, self.num_sink_tokens, self.window)
+            fill_from_prefix(cache, *recorder.prompt_states())
+            logits = logits.float()
+        else:
+            with query_capture(model) if self.capture_queries else contextlib.nullcontext():
+                logits = self.eager(feed, positions, mask)
+        if feed.device.type == "cuda":
+            torch.cuda.synchronize(feed.device)
+        self.seconds += time.perf_counter() - start
+        return logits
+
+
+@dataclass
+class DraftSteps:
+    """The steps of one call: `prefill`, `block` (several tokens), `token` (one), `eager` (a padded row)."""
+
+    prefill: Prefill
+    block: EagerStep | CheckedLeanStep
+    token: EagerStep | CheckedLeanStep | CompiledStep
+    eager: EagerStep
+
+    @classmethod
+    def for_plan(cls, plan, model, cache, capture_queries: bool) -> DraftSteps:
+        spec = plan.spec
+        eager = EagerStep(model, cache)
+        block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
+        token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block
+        prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries)
+        return cls(prefill=prefill, block=block, token=token, eager=eager)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether one-token steps run compiled (False after a failed compilation)."""
+        return isinstance(self.token, CompiledStep) and not self.token.failed
+
+    def __call__(self, feed, past: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits `(1, V)` after feeding `feed (1, n)` at positions `past ... past + n - 1` (`mask`: the padded
+        row's attention mask, `None` without padding)."""
+        positions = torch.arange(past, past + feed.shape[1], device=feed.device)[None]
+        if past == 0:
+            return self.prefill(feed, positions, mask)
+        if mask is not None:
+            return self.eager(feed, positions, mask)
+        return (self.token if feed.shape[1] == 1 else self.block)(feed, positions)

@@ -1,0 +1,488 @@
+"""What a speculative `generate()` call asks for (`DraftSpec`) and what runs (`DraftPlan`), in one place.
+
+`generate(ids, assistant_model=drafter, cache_implementation=NAME, cache_config={...})` builds a `DraftSpec` from
+`NAME` and `cache_config`; the CLI, the bench, the app and the GPU check build theirs the same way, so every entry
+point shares one set of defaults. The defaults are the fast path: a static draft cache read by
+`budgetdraft_varlen` where the drafter's layers allow it, the target verifying on `budgetdraft_sdpa` (and few-row
+linear layers on CPU), and a draft length chosen online from the call's own costs and acceptance. Every automatic choice has an off switch:
+
+    cache_config={"static": False}        # dynamic draft cache, drafter attention untouched
+    cache_config={"lean_step": False}     # draft steps through the drafter's own forward, not its weights directly
+    cache_config={"compile": False}       # never torch.compile the one-token draft step ("auto": when it pays)
+    cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
+    cache_config={"fast_verify": False}   # the target keeps the attention and linear layers it was loaded with
+    cache_config={"prefill_window": None} # the drafter prefills with full attention ("auto": 1024-token chunks)
+
+The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
+
+`resolve_plan` turns a spec into a plan for one call's models; choices that depend on the device come from
+`device_rules.py`, and `DraftPlan.reasons` says why each came out as it did. What the defaults turn on, and when:
+
+- **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
+  travels that way); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+- **compiled one-token draft step** (`compiled_step.py`, or the drafter's own `generation_config.compile_config`,
+  which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation;
+- **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
+  KV copies); logits agree to float rounding;
+- **the CPU speed-ups** (`cpu/`), on CPU only: lean draft steps on a Llama-layout drafter's weights, few-row linear
+  layers for a float32 target, and a windowed draft prefill (1024-token chunks) for a single sequence and a
+  full-attention drafter whose policy does not score the prefix with the prefill's queries;
+- **draft length**: explicit settings first (`cache_config["draft_length"]`, then `num_assistant_tokens` /
+  its schedule / `assistant_confidence_threshold` passed to `generate()` when they differ from transformers'
+  defaults, then the drafter's own `generation_config`), else `"adaptive"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from transformers import CompileConfig, GenerationConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.utils import logging
+
+from ..attention.fast_sdpa import NAME as FAST_SDPA
+from ..attention.scoped import attention_scope, using_attention
+from ..attention.varlen import NAME as VARLEN
+from ..cache import BudgetedCache, SinkWindowCache, get_policy
+from ..cache.ragged import RaggedCache
+from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from ..cache.windowed_prefill import layers_besides_full_attention
+from ..cpu import few_row_linear_applies, few_row_linears, lean_step_problem
+from .compiled_step import compile_pays, draft_step_compile_config
+from .device_rules import DeviceRules, device_rules
+
+logger = logging.get_logger(__name__)
+CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
+DRAFT_CACHES = tuple(CACHE_CLASSES)
+AUTO = "auto"
+DRAFT_LENGTH_POLICIES = ("adaptive", "heuristic")
+# each cache class's own arguments (besides its config) are its options; their defaults are the spec's
+_CACHE_PARAMETERS = {
+    name: [p for p in inspect.signature(cls.__init__).parameters.values() if p.name not in ("self", "config")]
+    for name, cls in CACHE_CLASSES.items()
+}
+_CACHE_OPTIONS = {name: tuple(p.name for p in params) for name, params in _CACHE_PARAMETERS.items()}
+# sink_window keeps a long window, budgeted a short one after the prefill
+_DEFAULT_WINDOW = {
+    name: next(p.default for p in params if p.name == "window_length")
+    for name, params in _CACHE_PARAMETERS.items()
+}
+_RUN_OPTIONS = ("lean_step", "compile", "draft_length", "max_draft_length", "fast_verify", "prefill_window")
+MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
+MAX_PREFILL_WINDOW = 1 << 20
+DEFAULT_PREFILL_WINDOW = 1024
+
+
+def _check_switch(name: str, value) -> None:
+    if value != AUTO and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or 'auto', got {value!r}")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """How a speculative call drafts: the draft cache, how its step runs, and how many tokens a round drafts.
+
+    Args:
+        cache (`str`, defaults to `"budgeted"`): the draft's cache, `"budgeted"` (BudgetDraft, arXiv 2606.00144) or
+            `"sink_window"` (Windowed-MTP, arXiv 2607.21535).
+        budget (`int`, defaults to 512): `budgeted`: prefix tokens kept per layer and KV head.
+        policy (`str`, defaults to `"chunk"`): `budgeted`: `chunk` | `streaming` | `snapkv`.
+        policy_kwargs (`dict`, *optional*): `budgeted`: the policy's hyper-parameters.
+        num_sink_tokens (`int`, defaults to 64): `sink_window`: attention-sink tokens.
+        window_length (`int`, *optional*): recent tokens the draft reads (default 1024 for `sink_window`, 256 for
+            `budgeted`, the cache classes' own defaults).
+        slack (`int`, defaults to 32): the longest draft round the cache can roll back.
+        static (`bool` or `"auto"`): fixed slot buffers read by `budgetdraft_varlen`; `"auto"` = where the
+            drafter's attention layers hand their kwargs to the cache (most families; not GPT-NeoX, Falcon).
+        lean_step (`bool` or `"auto"`): run the static cache's draft steps (blocks of up to `slack` tokens) straight
+            on the drafter's weights, without transformers' per-module Python (`cpu/lean_step.py`); `"auto"` =
+            for a static cache and a drafter of Llama's layout (Llama, Qwen2, Qwen3, ...), checked against the
+            drafter's own forward on the first step of each call.
+        compile (`bool` or `"auto"`): `torch.compile` the static cache's one-token draft step; `"auto"` = once this
+            process has drafted enough eager steps to pay for the compilation (see `compile_policy`).
+        draft_length (`int` or `str`, defaults to `"adaptive"`): tokens drafted per round: `"adaptive"` (chosen each
+            round from the call's measured costs and acceptance, 0 = a plain AR step), `"heuristic"`
+            (transformers' schedule), or a fixed int. `num_assistant_tokens=` passed to `generate()` sets a fixed γ.
+        max_draft_length (`int`, *optional*): the most an adaptive or heuristic round drafts (<= `slack`;
+            default `min(16, slack)`).
+        fast_verify (`bool`, defaults to `True`): for the call, a target loaded with `sdpa` verifies on
+            `budgetdraft_sdpa` (no KV copies) and a float32 target on CPU runs its linear layers as few-row GEMMs
+            on every thread (`cpu/few_row_linear.py`); results agree to float rounding; for the call only.
+        prefill_window (`int`, `None` or `"auto"`): the drafter prefills a prompt longer than this in chunks of
+            this many tokens, each reading the `num_sink_tokens` sink and the `prefill_window` tokens before it
+            (`cache/windowed_prefill.py`): O(L·W) instead of O(L²). Its keys beyond the first layer then differ
+            from a full prefill's, so acceptance can change (never the output); a drafter can be trained on the
+            same prefix (`BudgetDraftConfig.draft_prefill_window`). `"auto"` (default): `DEFAULT_PREFILL_WINDOW`
+            for a single sequence, a drafter made of full-attention layers and a policy that does not score the
+            prefix with the prefill's queries; otherwise `None` (a full prefill). An explicit int is refused with a
+            query-scored policy and in batched calls.
+    """
+
+    cache: str = "budgeted"
+    budget: int = 512
+    policy: str = "chunk"
+    policy_kwargs: dict | None = field(default=None, hash=False)
+    num_sink_tokens: int = 64
+    window_length: int | None = None
+    slack: int = 32
+    static: bool | str = AUTO
+    lean_step: bool | str = AUTO
+    compile: bool | str = AUTO
+    draft_length: int | str = "adaptive"
+    max_draft_length: int | None = None
+    fast_verify: bool = True
+    prefill_window: int | str | None = AUTO
+
+    def __post_init__(self):
+        if self.cache not in DRAFT_CACHES:
+            raise ValueError(f"cache must be one of {DRAFT_CACHES}, got {self.cache!r}")
+        if self.window_length is None:
+            object.__setattr__(self, "window_length", _DEFAULT_WINDOW[self.cache])
+        _check_switch("static", self.static)
+        _check_switch("lean_step", self.lean_step)
+        _check_switch("compile", self.compile)
+        if not isinstance(self.fast_verify, bool):
+            raise TypeError(f"fast_verify must be a bool, got {self.fast_verify!r}")
+        length = self.draft_length
+        if isinstance(length, bool) or not (
+            length in DRAFT_LENGTH_POLICIES or (isinstance(length, int) and 0 <= length <= MAX_DRAFT_LENGTH)
+        ):
+            raise ValueError(
+                f"draft_length must be 'adaptive', 'heuristic' or an int in [0, {MAX_DRAFT_LENGTH}], got {length!r}"
+            )
+        if self.max_draft_length is None:
+            object.__setattr__(self, "max_draft_length", min(16, self.slack))
+        if not 1 <= self.max_draft_length <= self.slack:
+            raise ValueError(
+                f"max_draft_length={self.max_draft_length} must be in [1, slack={self.slack}]: a round drafts at "
+                "most what the cache can roll back; raise slack or lower max_draft_length"
+            )
+        self._check_prefill_window()
+        if isinstance(length, int) and length > self.slack:
+            raise ValueError(
+                f"draft_length={length} exceeds the draft cache's rollback slack ({self.slack}); pass "
+                f"cache_config={{'slack': {length}, ...}} or a smaller draft_length"
+            )
+
+    def _check_prefill_window(self) -> None:
+        window = self.prefill_window
+        if window is None or window == AUTO:
+            return
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_PREFILL_WINDOW:
+            raise ValueError(
+                f"prefill_window must be an int in [1, {MAX_PREFILL_WINDOW}], None or 'auto', got {window!r}"
+            )
+        if self.query_scored:
+            raise ValueError(
+                f"prefill_window cannot serve policy={self.policy!r}, which scores the prefix with the prefill's "
+                "queries; use policy='chunk' (query_proxy='last_key') or 'streaming', or drop prefill_window"
+            )
+
+    @classmethod
+    def from_cache_config(cls, cache_implementation: str, cache_config: dict | None = None) -> DraftSpec:
+        """The spec of `generate(cache_implementation=..., cache_config=...)`; unknown keys are refused."""
+        if cache_implementation not in DRAFT_CACHES:
+            raise ValueError(
+                f"cache_implementation must be one of {DRAFT_CACHES}, got {cache_implementation!r}"
+            )
+        options = dict(cache_config or {})
+        accepted = _CACHE_OPTIONS[cache_implementation] + _RUN_OPTIONS
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(
+                f"cache_config keys {unknown} are not options of cache_implementation={cache_implementation!r}; "
+                f"accepted: {list(accepted)}"
+            )
+        return cls(cache=cache_implementation, **options)
+
+    def cache_kwargs(self, static: bool) -> dict:
+        """Keyword arguments of the draft cache class (`SinkWindowCache` / `BudgetedCache`), `static` resolved."""
+        options = {name: getattr(self, name) for name in _CACHE_OPTIONS[self.cache] if name != "static"}
+        if options.get("policy_kwargs") is None:
+            options.pop("policy_kwargs", None)
+        return {**options, "static": static}
+
+    def build_cache(self, config, static: bool | None = None):
+        """The draft cache this spec describes for a model of `config`; `static=None` takes the spec's switch
+        (`"auto"`, unresolved, means dynamic)."""
+        static = self.static is True if static is None else static
+        return CACHE_CLASSES[self.cache](config=config, **self.cache_kwargs(static))
+
+    def build_ragged_cache(self, config, batch_size: int, capacity: int):
+        """The batched (one length per row) form of this spec's draft cache, for `batch_size` rows. A model with no
+        full-attention layer (all sliding) keeps its own bounded layers, as the single-sequence caches do."""
+        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        if "full_attention" not in layer_types:
+            logger.warning_once(
+                f"{config.model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}): a batch "
+                "drafts on its own sliding windows, nothing is sparsified"
+            )
+            return RaggedCache(config, batch_size, capacity)
+        options = self.cache_kwargs(static=False)
+        options.pop("static")
+        cls = RaggedBudgetedCache if self.cache == "budgeted" else RaggedSinkWindowCache
+        return cls(config=config, batch_size=batch_size, capacity=capacity, **options)
+
+    def to_cache_config(self) -> dict:
+        """The `cache_config` dict that `from_cache_config(self.cache, ...)` turns back into this spec (only the
+        fields that differ from the defaults)."""
+        default = DraftSpec(cache=self.cache)
+        names = _CACHE_OPTIONS[self.cache] + _RUN_OPTIONS
+        return {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
+
+    def replace(self, **changes) -> DraftSpec:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def query_scored(self) -> bool:
+        """Whether the budgeted policy scores the prefix with the prefill's queries (snapkv, chunk on queries)."""
+        return (
+            self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).needs_queries
+        )
+
+    def resolved_prefill_window(self, drafter_config, batched: bool) -> int | None:
+        """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (`batched`: a call of
+        several rows, which prefills each row in full)."""
+        if self.prefill_window != AUTO:
+            if batched and self.prefill_window is not None:
+                raise ValueError(
+                    "prefill_window is a single-sequence fast path; a batch prefills each row's draft cache in full. "
+                    "Drop it from cache_config for batched calls"
+                )
+            return self.prefill_window
+        applies = not batched and not self.query_scored and not layers_besides_full_attention(drafter_config)
+        return DEFAULT_PREFILL_WINDOW if applies else None
+
+    @property
+    def draft_tokens(self) -> int:
+        """Prefix tokens the draft reads besides its window: the budget, or the sink."""
+        return self.budget if self.cache == "budgeted" else self.num_sink_tokens
+
+
+SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
+
+
+@functools.cache
+def _passes_kwargs_to_cache(attention_class: type) -> bool:
+    try:
+        source = inspect.getsource(attention_class.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is not None
+
+
+def supports_static_cache(model) -> bool:
+    """Whether every attention layer of `model` hands its kwargs to `cache.update` (a static cache needs it)."""
+    classes = {
+        type(m) for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__
+    }
+    return bool(classes) and all(_passes_kwargs_to_cache(c) for c in classes)
+
+
+def verify_attention(target, fast_verify: bool) -> str | None:
+    """The attention the target verifies on for a call: `budgetdraft_sdpa` when `fast_verify` and the target was
+    loaded with `sdpa` (and can switch: Falcon-style attention ignores it), else `None` (as loaded)."""
+    fast = (
+        fast_verify and target.config._attn_implementation == "sdpa" and target._can_set_attn_implementation()
+    )
+    return FAST_SDPA if fast else None
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A `DraftSpec` resolved for one call: every `"auto"` decided, the draft-length source named.
+
+    Attributes:
+        spec (`DraftSpec`): the spec with `static` / `lean_step` / `compile` resolved to bools and `draft_length` to
+            the policy that runs (`"adaptive"`, `"heuristic"` or an int).
+        draft_length_source (`str`): where the draft length came from.
+        lean_step_problem (`str`, *optional*): why `"auto"` left the lean step off for this drafter.
+        confidence_threshold (`float`): a round's draft stops at a token the drafter gives less probability (0: off).
+        heuristic_start (`int`): the first round's length under the `"heuristic"` schedule.
+        draft_attention (`str`, *optional*): attention set on the drafter for the call (`None`: untouched).
+        target_attention (`str`, *optional*): attention set on the target for the call (`None`: untouched).
+        target_linear (`bool`): the target's linear layers run `few_row_linear` for the call.
+        compile_config (`CompileConfig`, *optional*): how the one-token draft step compiles, when it does.
+        device_type (`str`): the drafter's device type the choices were made for (`device_rules.py`).
+        reasons (`dict[str, str]`): why each automatic choice came out as it did (measured, or an estimate).
+    """
+
+    spec: DraftSpec
+    draft_length_source: str = "default"
+    lean_step_problem: str | None = None
+    confidence_threshold: float = 0.0
+    heuristic_start: int = 16
+    draft_attention: str | None = None
+    target_attention: str | None = None
+    target_linear: bool = False
+    compile_config: CompileConfig | None = None
+    device_type: str = "cpu"
+    reasons: dict = field(default_factory=dict, compare=False)
+
+    @contextlib.contextmanager
+    def applied(self, target) -> Iterator[None]:
+        """The target's side of the plan inside the block, for this thread / task only: its verification attention
+        and few-row linear layers. The models themselves are never written to."""
+        with using_attention(target, self.target_attention), few_row_linears(target, self.target_linear):
+            yield
+
+    def drafting(self, drafter) -> Callable[[], contextlib.AbstractContextManager]:
+        """The drafter's side: a scope to enter around each draft phase (and the draft cache's construction), which
+        runs the drafter on `draft_attention`; a model that drafts for itself verifies outside it."""
+        return attention_scope(drafter, self.draft_attention)
+
+
+_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def _explicit(config: GenerationConfig, name: str, defaults: dict):
+    value = getattr(config, name, None)
+    return None if value is None or value == defaults.get(name) else value
+
+
+def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[int | str, str, float, int]:
+    """`(draft length, its source, confidence threshold, heuristic start)`; the module docstring has the
+    precedence."""
+    defaults = GenerationConfig()._get_default_generation_params()
+    sources = (
+        ("generate()", {n: _explicit(call, n, defaults) for n in _LENGTH_FIELDS}),
+        (
+            "drafter.generation_config",
+            {n: getattr(drafter.generation_config, n, None) for n in _LENGTH_FIELDS},
+        ),
+    )
+    threshold = float(next((t for _, s in sources if (t := s["assistant_confidence_threshold"])), 0.0))
+    start = spec.max_draft_length
+    if explicit_spec:
+        return spec.draft_length, "cache_config", threshold, start
+    for source, values in sources:
+        tokens, schedule = values["num_assistant_tokens"], values["num_assistant_tokens_schedule"]
+        if schedule in ("heuristic", "heuristic_transient"):
+            start = min(int(tokens or defaults["num_assistant_tokens"]), spec.max_draft_length)
+            return "heuristic", source, threshold, start
+        if tokens is not None:
+            if tokens > spec.slack:
+                raise ValueError(
+                    f"num_assistant_tokens={tokens} exceeds the draft cache's rollback slack ({spec.slack}); pass "
+                    f"cache_config={{'slack': {int(tokens)}, ...}} or lower num_assistant_tokens"
+                )
+            return int(tokens), source, threshold, start
+    return spec.draft_length, "default", threshold, start
+
+
+def _lean_step(asked: bool | str, static: bool, drafter, rules: DeviceRules) -> tuple[bool, str | None]:
+    """`(lean step on, why not)` for a call: `"auto"` turns it on with a static cache and a drafter it can run, on a
+    device whose rules allow it."""
+    if asked is False:
+        return False, None
+    problem = None if static else "the draft cache is not static"
+    problem = problem or lean_step_problem(drafter)
+    if asked is True and problem is not None:
+        raise ValueError(
+            f"lean_step=True, but {problem}; drop lean_step (or set it to 'auto') to draft with the drafter's own "
+            "forward"
+        )
+    if asked == AUTO and problem is None and not rules.lean_step:
+        problem = f"{rules.device_type}: {rules.reasons['lean_step']}"
+    return problem is None, problem
+
+
+def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
+    can_be_static = supports_static_cache(drafter)
+    if spec.static != AUTO:
+        if spec.static and not can_be_static:
+            raise ValueError(
+                f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
+                f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
+            )
+        return spec.static, "cache_config"
+    if not can_be_static:
+        return False, f"{type(drafter).__name__}'s attention does not pass its kwargs to cache.update"
+    if drafter.config._attn_implementation not in SDPA_FAMILY:
+        return (
+            False,
+            f"the drafter runs {drafter.config._attn_implementation!r}, not an sdpa-family attention",
+        )
+    return True, "the drafter's layers allow fixed slot buffers read by budgetdraft_varlen"
+
+
+def _compile_choice(
+    spec: DraftSpec, static: bool, lean: bool, drafter, call: GenerationConfig, rules: DeviceRules
+) -> tuple[bool, CompileConfig, str]:
+    """`(compile the one-token draft step, how, why)`; an explicit compile config on the drafter means "compile"."""
+    asked = drafter.generation_config.compile_config
+    config = asked or draft_step_compile_config(drafter.device)
+    compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
+    if compiled is True and not static:
+        raise ValueError(
+            "compile=True compiles the step of a static draft cache; drop compile or set static=True"
+        )
+    if call.disable_compile:
+        return False, config, "generate(disable_compile=True)"
+    if not static:
+        return False, config, "the draft cache is not static"
+    if compiled != AUTO:
+        return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
+    if rules.compile_from_first_call:
+        return True, config, rules.reasons["compile_from_first_call"]
+    pays = compile_pays(drafter, config, lean)
+    return pays, config, rules.reasons["compile_from_first_call"] + ("" if pays else " (not yet)")
+
+
+def resolve_plan(
+    spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig, batched: bool = False
+) -> DraftPlan:
+    """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
+    several rows, whose draft caches are the ragged ones: never static, lean or compiled), from the rules of the
+    drafter's device (`device_rules.py`); `DraftPlan.reasons` says why each choice came out as it did."""
+    rules = device_rules(drafter.device, drafter.dtype)
+    window = spec.resolved_prefill_window(drafter.config, batched)
+    window_reason = "cache_config" if spec.prefill_window != AUTO else rules.reasons["prefill_window"]
+    if spec.prefill_window == AUTO and not rules.prefill_window:
+        window = None
+    spec = spec.replace(prefill_window=window)
+    if batched:
+        if True in (spec.static, spec.lean_step, spec.compile):
+            raise ValueError(
+                "static=True / lean_step=True / compile=True are single-sequence fast paths; a batch drafts on ragged "
+                "per-row caches. Drop them from cache_config for batched calls"
+            )
+        spec = spec.replace(static=False, lean_step=False, compile=False)
+    static, static_reason = _static_choice(spec, drafter)
+    lean, lean_problem = _lean_step(spec.lean_step, static, drafter, rules)
+    compiled, compile_config, compile_reason = _compile_choice(spec, static, lean, drafter, call, rules)
+    length, source, threshold, start = _draft_length(
+        spec, "draft_length" in (cache_config or {}), call, drafter
+    )
+    target_rules = device_rules(target.device, target.dtype)
+    target_linear = spec.fast_verify and target_rules.few_row_linear and few_row_linear_applies(target)
+    return DraftPlan(
+        spec=spec.replace(static=static, lean_step=lean, compile=compiled, draft_length=length),
+        draft_length_source=source,
+        lean_step_problem=lean_problem,
+        confidence_threshold=threshold,
+        heuristic_start=start,
+        draft_attention=VARLEN if static else None,
+        target_attention=verify_attention(target, spec.fast_verify),
+        target_linear=target_linear,
+        compile_config=compile_config if compiled else None,
+        device_type=rules.device_type,
+        reasons={
+            "static": static_reason,
+            "lean_step": lean_problem
+            or ("cache_config" if spec.lean_step is True else rules.reasons["lean_step"]),
+            "compile": compile_reason,
+            "prefill_window": window_reason,
+            "target_linear": target_rules.reasons["few_row_linear"]
+            if spec.fast_verify
+            else "fast_verify=False",
+            "draft_length": source,
+            "round_clock": rules.reasons["round_clock"],
+        },
+    )

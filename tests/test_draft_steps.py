@@ -1,0 +1,76 @@
+"""The draft's step objects against the drafter's own forward: each writes the draft cache as that forward would and
+returns its logits; `DraftSteps.for_plan` picks them from the plan once per call."""
+
+import pytest
+import torch
+from test_draft_spec import plan_for
+from tiny_models import model_pair, random_prompt
+from transformers import CompileConfig
+
+from hf_budgetdraft.attention.varlen import NAME as VARLEN
+from hf_budgetdraft.generation.draft_steps import (
+    CheckedLeanStep,
+    CompiledStep,
+    DraftSteps,
+    EagerStep,
+    Prefill,
+)
+from hf_budgetdraft.generation.plan import DraftSpec
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def static_drafter_and_caches(count: int):
+    _, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    drafter.set_attn_implementation(VARLEN)
+    spec = DraftSpec(budget=24, window_length=16, slack=8)
+    return drafter, [spec.build_cache(drafter.config, static=True) for _ in range(count)]
+
+
+@pytest.mark.parametrize("kind", ["lean", "compiled"])
+@torch.no_grad()
+def test_each_step_writes_and_returns_what_the_drafters_forward_does(kind, fresh_dynamo):
+    drafter, (reference_cache, cache) = static_drafter_and_caches(2)
+    prompt = random_prompt(90, seed=3)
+    reference = EagerStep(drafter, reference_cache)
+    eager = EagerStep(drafter, cache)
+    if kind == "lean":
+        step = CheckedLeanStep(drafter, cache, slack=8, fallback=eager)
+    else:
+        step = CompiledStep(
+            drafter, cache, CompileConfig(fullgraph=True, dynamic=False, backend="eager"), eager
+        )
+    positions = torch.arange(90)[None]
+    for prefill in (Prefill(reference, None, 4, False), Prefill(eager, None, 4, False)):
+        prefill(prompt, positions)
+    past = 90
+    for feed in ([5], [6, 7, 8], [9], [10]):
+        if kind == "compiled" and len(feed) > 1:
+            continue  # a compiled step is one token
+        ids, at = torch.tensor([feed]), torch.arange(past, past + len(feed))[None]
+        expected = reference(ids, at)
+        torch.testing.assert_close(step(ids, at), expected, rtol=1e-4, atol=1e-4)
+        past += len(feed)
+    assert not step.failed and step.checked
+    for ours, theirs in zip(cache.layers, reference_cache.layers, strict=True):
+        assert int(ours.length) == int(theirs.length) == past
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plan_picks_its_steps_once():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    plan = plan_for(target, drafter, cache_config={"compile": True})
+    with plan.drafting(drafter)():  # the call runs the drafter on budgetdraft_varlen
+        cache = plan.spec.build_cache(drafter.config, static=True)
+    steps = DraftSteps.for_plan(plan, drafter, cache, capture_queries=False)
+    assert isinstance(steps.token, CompiledStep) and isinstance(steps.block, CheckedLeanStep)
+    assert steps.token.fallback is steps.block and steps.block.fallback is steps.eager and steps.compiled
+    plain = plan_for(target, drafter, cache_config={"compile": False, "lean_step": False})
+    steps = DraftSteps.for_plan(plain, drafter, cache, capture_queries=False)
+    assert steps.token is steps.block is steps.eager and not steps.compiled
+    assert steps.prefill.window == plain.spec.prefill_window
