@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_budgetdraft.commands.generate import chat_ids, tie_tolerance
+from hf_budgetdraft.commands.generate import chat_ids
 from hf_budgetdraft.demo.models import DEMO_DIR
+from hf_budgetdraft.eval.greedy_diff import tie_tolerance
 from hf_budgetdraft.loading import LoadFlags, check_device, load_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -130,3 +131,37 @@ def test_generate_with_a_hub_id_missing_from_the_cache_fails_offline(hub_cache):
         hub_cache, "--target", "someone/absent", "--drafter", "someone/small-drafter", "--prompt", "Hi"
     )
     assert result.returncode != 0 and "someone/absent" in result.stderr
+
+
+DOORS = """
+import sys
+from hf_budgetdraft.commands.export import ExportArguments, _load
+from hf_budgetdraft.commands.train import TrainScriptArguments, _train_models
+from hf_budgetdraft.eval.bench_args import BenchArguments
+from hf_budgetdraft.eval.bench_models import full_models
+from hf_budgetdraft.trainer.config import BudgetDraftConfig
+
+target, drafter = "someone/long-target", "someone/small-drafter"
+bench = full_models(BenchArguments(preset="full", target=target, drafter=drafter, dtype="bfloat16"))
+assert bench.targets["target"].dtype == bench.drafters["drafter"].dtype == __import__("torch").bfloat16
+assert bench.tokenizer is not None
+exported, tokenizer, _ = _load(ExportArguments(engine="vllm", output_dir=sys.argv[1], drafter=drafter))
+assert tokenizer is not None and exported.dtype == __import__("torch").float32
+script = TrainScriptArguments(drafter=drafter, data_files=["unused.txt"])
+config = BudgetDraftConfig(output_dir=sys.argv[1], teacher_model_name_or_path=target, teacher_dtype="bfloat16",
+                           report_to=[])
+teacher, student, _, teacher_tokenizer = _train_models(script, config)
+assert teacher.dtype == __import__("torch").bfloat16 and teacher_tokenizer is not None
+print("doors:", type(bench.targets["target"]).__name__, type(exported).__name__, type(teacher).__name__)
+"""
+
+
+def test_bench_export_and_train_take_hub_ids_offline(hub_cache, tmp_path):
+    """The same loader behind every door: `bench --preset full`, `export` and `train` resolve hub ids from the cache
+    (offline), each in the dtype it was asked for."""
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", DOORS, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "doors: Glm4MoeForCausalLM LlamaForCausalLM Glm4MoeForCausalLM" in done.stdout

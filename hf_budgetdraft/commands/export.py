@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from ..export import DEFAULT_WINDOW, DTYPES, MARKER, check_options, check_output_dir, export_drafter
+from ..loading import LoadFlags, load_model, load_tokenizer
 
 
 @dataclass
@@ -26,11 +24,16 @@ class ExportArguments:
     output_dir: str = field(metadata={"help": "Folder to write the checkpoint into (new or empty)."})
     drafter: str | None = field(
         default=None,
-        metadata={"help": "Local HF folder of a Llama-architecture drafter (default: the bundled one)."},
+        metadata={
+            "help": "A Llama-architecture drafter: a local folder or a hub id in the Hugging Face cache (default: "
+            "the bundled one)."
+        },
     )
     tokenizer: str | None = field(
         default=None,
-        metadata={"help": "Tokenizer folder to copy (default: the drafter's own, if it has one)."},
+        metadata={
+            "help": "Tokenizer (folder or hub id) to copy (default: the drafter's own, if it has one)."
+        },
     )
     target: str | None = field(
         default=None,
@@ -53,6 +56,15 @@ class ExportArguments:
     overwrite: bool = field(
         default=False, metadata={"help": "Replace OUTPUT_DIR if it holds an earlier export."}
     )
+    revision: str | None = field(
+        default=None, metadata={"help": "The drafter's hub branch, tag or commit (default: main)."}
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Run code shipped with the drafter's checkpoint (off: transformers' own classes only)."
+        },
+    )
 
     def __post_init__(self):
         check_options(self.engine, self.window_length, self.num_sink_tokens, self.num_speculative_tokens)
@@ -67,7 +79,7 @@ def _load(args: ExportArguments):
         from ..demo.models import DEMO_DIR
 
         demo = load_demo_models()
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else demo.tokenizer
+        tokenizer = load_tokenizer(args.tokenizer, LoadFlags()) if args.tokenizer else demo.tokenizer
         return demo.drafter, tokenizer, args.target or str(DEMO_DIR / "target")
     folder = Path(args.drafter)
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
@@ -75,15 +87,15 @@ def _load(args: ExportArguments):
             f"{args.drafter!r} is a PEFT adapter; export the merged model (`hf-budgetdraft train` saves one beside "
             "the adapter, or merge it with `merge_and_unload()` and save_pretrained)"
         )
-    drafter = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, use_safetensors=True, local_files_only=True
-    ).eval()
-    return drafter, _optional_tokenizer(args.tokenizer or folder), args.target or "TARGET_MODEL"
+    # float32 on the CPU: the weights are written in --dtype afterwards
+    flags = LoadFlags(dtype="float32", revision=args.revision, trust_remote_code=args.trust_remote_code)
+    drafter = load_model(args.drafter, flags)
+    return drafter, _optional_tokenizer(args.tokenizer or args.drafter, flags), args.target or "TARGET_MODEL"
 
 
-def _optional_tokenizer(path):
+def _optional_tokenizer(name: str, flags: LoadFlags):
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return load_tokenizer(name, flags)
     except (OSError, ValueError):
         return None
 

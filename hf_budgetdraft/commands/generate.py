@@ -14,7 +14,7 @@ from transformers import TextStreamer
 
 from ..cache.base import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
-from ..eval.greedy_diff import divergence_margin, token_diff
+from ..eval.greedy_diff import divergence_margin, tie_tolerance, token_diff
 from ..generation.plan import DraftSpec
 from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
 from ..random_models import random_pair
@@ -23,7 +23,6 @@ from ..timing import RunResult, ar_setup, configure_drafter, timed_generate
 FULL_CACHE_GAMMA = 5  # --cache full: stock assisted generation drafts this many tokens a round
 # a greedy divergence is a near-tie when the target's own top-2 gap is within this many units in the last place of
 # the model's dtype at a logit of this size (bf16: 1.25; float32: 2e-5)
-TIE_ULPS, TIE_LOGIT = 8, 20.0
 
 
 @dataclass
@@ -414,12 +413,6 @@ def _report_greedy_diff(target, ids: torch.LongTensor, reference: torch.Tensor, 
         )
     )
     return tie
-
-
-def tie_tolerance(dtype: torch.dtype) -> float:
-    """The largest top-2 logit gap that rounding in `dtype` can flip between two kernels of the same forward:
-    `TIE_ULPS` units in the last place at a logit of `TIE_LOGIT`."""
-    return TIE_ULPS * torch.finfo(dtype).eps * TIE_LOGIT
 
 
 def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

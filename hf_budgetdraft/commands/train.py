@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..loading import LoadFlags, load_model, load_tokenizer
 from ..random_models import random_pair
 from ..trainer.config import BudgetDraftConfig
 
@@ -85,6 +85,28 @@ class TrainScriptArguments:
     )
     num_random_rows: int = field(default=64, metadata={"help": "--random_models: rows of random tokens."})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)."})
+    revision: str | None = field(
+        default=None,
+        metadata={"help": "Hub branch, tag or commit of the drafter and the teacher (default: main)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Run code shipped with the checkpoints (off: transformers' own model classes only)."
+        },
+    )
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "The attention the teacher and the drafter are loaded with."}
+    )
+
+    def load_flags(self, dtype: str) -> LoadFlags:
+        """How the drafter (float32) and the teacher (`--teacher_dtype`) load; the Trainer places them."""
+        return LoadFlags(
+            dtype=dtype,
+            attn_implementation=self.attn_implementation,
+            revision=self.revision,
+            trust_remote_code=self.trust_remote_code,
+        )
 
     def __post_init__(self):
         sources = sum(x is not None for x in (self.data_files, self.dataset_name)) + self.random_models
@@ -94,6 +116,7 @@ class TrainScriptArguments:
             raise ValueError(
                 "pass --drafter (the model to train) and --teacher_model_name_or_path (the target)"
             )
+        self.load_flags("float32")  # refuses a bad --attn_implementation before anything loads
         if self.teacher_top_k < 0:
             raise ValueError(f"--teacher_top_k must be >= 0, got {self.teacher_top_k}")
         if self.continuations not in ("text", "target"):
@@ -133,9 +156,9 @@ def _train_data(script: TrainScriptArguments, config, target, tokenizer):
     )
 
 
-def _optional_tokenizer(path: str):
+def _optional_tokenizer(name: str, flags: LoadFlags):
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(name, flags)
     except (OSError, ValueError):
         return None
 
@@ -174,12 +197,12 @@ def _train_models(script: TrainScriptArguments, config: BudgetDraftConfig):
         raise ValueError(
             "pass --teacher_model_name_or_path (the frozen target whose tokens the drafter learns)"
         )
-    target = AutoModelForCausalLM.from_pretrained(
-        config.teacher_model_name_or_path, dtype=config.teacher_dtype
-    )
-    drafter = AutoModelForCausalLM.from_pretrained(script.drafter, dtype=torch.float32)
-    teacher_tokenizer = AutoTokenizer.from_pretrained(script.tokenizer or config.teacher_model_name_or_path)
-    return target, drafter, _optional_tokenizer(script.drafter) or teacher_tokenizer, teacher_tokenizer
+    teacher_flags = script.load_flags(config.teacher_dtype)
+    target = load_model(config.teacher_model_name_or_path, teacher_flags)
+    drafter = load_model(script.drafter, script.load_flags("float32"))
+    teacher_tokenizer = load_tokenizer(script.tokenizer or config.teacher_model_name_or_path, teacher_flags)
+    drafter_tokenizer = _optional_tokenizer(script.drafter, teacher_flags) or teacher_tokenizer
+    return target, drafter, drafter_tokenizer, teacher_tokenizer
 
 
 def _train_rows(script: TrainScriptArguments, config: BudgetDraftConfig, target, tokenizer):

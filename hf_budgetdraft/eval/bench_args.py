@@ -19,6 +19,7 @@ import torch
 
 from ..cache.base import MAX_CACHE_TOKENS
 from ..cache.policies import POLICIES
+from ..loading import check_device
 from .tasks import TASKS
 
 BENCH_METHODS = (
@@ -177,6 +178,16 @@ class _RunFlags:
         default=None, metadata={"help": "torch threads, set explicitly and recorded (smoke: 1, demo: 2)."}
     )
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N."})
+    revision: str | None = field(
+        default=None,
+        metadata={"help": "full: hub branch, tag or commit of the named models (default: main)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "full: run code shipped with the checkpoints (off: transformers' own classes only)."
+        },
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "Model dtype (fp32 on CPU: every greedy-diff cell must be 0)."}
     )
@@ -248,6 +259,11 @@ class BenchArguments(_RunFlags, _GridFlags, _SourceFlags):
                 setattr(self, name, list(value) if isinstance(value, list) else value)
         if self.threads is None:
             self.threads = torch.get_num_threads()
+        if self.device == "auto":
+            raise ValueError(
+                "--device auto (device_map) is for generate; the bench places models on one device"
+            )
+        check_device(self.device)
         self._check()
         self.policy_options = self._parse_policy_kwargs()
 

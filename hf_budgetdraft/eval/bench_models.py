@@ -10,7 +10,7 @@ import torch
 
 from ..attention.varlen import NAME as VARLEN_NAME
 from ..corpus import Document, load_documents, load_hub_documents, stdlib_documents
-from ..loading import DTYPES
+from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
 from .bench_args import MAX_GAMMA, BenchArguments
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
@@ -75,24 +75,25 @@ def demo_models(do_sample: bool = False) -> BenchModels:
 
 
 def full_models(args: BenchArguments) -> BenchModels:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Your models, each a local folder or a hub id, through the package's one loader."""
     from ..generation.mtp import expose_mtp_layers
 
-    def load(path: str):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval()
-
-    targets = {"target": load(args.target)}
-    drafters = {"drafter": load(args.drafter)}
+    flags = load_flags(args)
+    targets = {"target": load_model(args.target, flags)}
+    drafters = {"drafter": load_model(args.drafter, flags)}
     description = {"target": args.target, "drafter": args.drafter}
     if args.base_drafter:
-        drafters["base_drafter"] = load(args.base_drafter)
+        drafters["base_drafter"] = load_model(args.base_drafter, flags)
         description["base_drafter"] = args.base_drafter
     if "mtp" in args.methods and args.mtp_model:
-        targets["mtp"] = expose_mtp_layers(load(args.mtp_model))
+        targets["mtp"] = expose_mtp_layers(load_model(args.mtp_model, flags))
         description["mtp"] = args.mtp_model
-    return BenchModels(
-        AutoTokenizer.from_pretrained(args.tokenizer or args.target), targets, drafters, description
+    return BenchModels(load_tokenizer(args.tokenizer or args.target, flags), targets, drafters, description)
+
+
+def load_flags(args: BenchArguments) -> LoadFlags:
+    return LoadFlags(
+        device=args.device, dtype=args.dtype, revision=args.revision, trust_remote_code=args.trust_remote_code
     )
 
 
@@ -102,13 +103,9 @@ def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     elif args.preset == "demo":
         models = demo_models(args.do_sample)
         if args.mtp_model:
-            from transformers import AutoModelForCausalLM
-
             from ..generation.mtp import expose_mtp_layers
 
-            models.targets["mtp"] = expose_mtp_layers(
-                AutoModelForCausalLM.from_pretrained(args.mtp_model).eval()
-            )
+            models.targets["mtp"] = expose_mtp_layers(load_model(args.mtp_model, load_flags(args)))
     else:
         models = full_models(args)
     for model in (*models.targets.values(), *models.drafters.values()):

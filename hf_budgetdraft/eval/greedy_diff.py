@@ -106,3 +106,13 @@ def noise_envelope(outputs: dict[str, list[torch.Tensor]], pairs: list[tuple[str
             }
         )
     return rows
+
+
+# a top-2 logit gap rounding can flip: this many units in the last place at a logit this large
+TIE_ULPS, TIE_LOGIT = 8, 20.0
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """The largest top-2 logit gap that rounding in `dtype` can flip between two kernels of the same forward:
+    `TIE_ULPS` units in the last place at a logit of `TIE_LOGIT`."""
+    return TIE_ULPS * torch.finfo(dtype).eps * TIE_LOGIT

@@ -35,8 +35,9 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
+from transformers import PreTrainedModel, Trainer
 
+from ..loading import LoadFlags, load_model
 from ..quiet import peft_wrapping
 from .config import BudgetDraftConfig
 from .data import BudgetDraftCollator, check_row_lengths
@@ -86,7 +87,7 @@ def check_vocab_compatible(teacher, drafter, teacher_tokenizer=None, drafter_tok
 
 def _load(model_or_path, what: str, dtype="auto") -> PreTrainedModel:
     if isinstance(model_or_path, str | os.PathLike):
-        return AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype)
+        return load_model(str(model_or_path), LoadFlags(dtype=dtype))
     if not isinstance(model_or_path, nn.Module):
         raise TypeError(f"{what} must be a model or a path, got {type(model_or_path).__name__}")
     return model_or_path
