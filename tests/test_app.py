@@ -2,6 +2,7 @@
 colours tokens from the per-round accepted counts, reports the stats, stays lossless on greedy runs, and turns bad
 input into a message in the page instead of an exception."""
 
+import shutil
 import threading
 import time
 
@@ -59,6 +60,8 @@ def values(**overrides):
         model=MODEL_SMOKE,
         target_path="",
         drafter_path="",
+        device="cpu",
+        dtype="float32",
         source="document",
         text="",
         upload=None,
@@ -270,11 +273,11 @@ def test_local_folders_run(store, folders):
 @pytest.mark.parametrize(
     "target,drafter,expected",
     [
-        ("", "", "enter the target model folder"),
-        ("missing", "", "does not exist on the server"),
+        ("", "", "enter the target model"),
+        ("missing", "", "neither a folder on the server nor a model in its Hugging Face cache"),
         ("empty", "", "has no config.json"),
         ("no_weights", "", "has no .safetensors weights"),
-        ("target", "missing", "drafter model folder"),
+        ("target", "missing", "drafter model"),
         ("target", "other_vocab", "incompatible models: the drafter's vocab_size=1024"),
         ("target", "other_tokenizer", "incompatible tokenizers"),
     ],
@@ -282,6 +285,31 @@ def test_local_folders_run(store, folders):
 def test_bad_local_folders_are_explained(store, folders, target, drafter, expected):
     path = lambda name: str(folders / name) if name else ""  # noqa: E731
     assert expected in message(store, model=MODEL_LOCAL, target_path=path(target), drafter_path=path(drafter))
+
+
+def test_own_models_by_cached_hub_id_on_a_device_in_a_dtype(store, folders, tmp_path, monkeypatch):
+    """The form's own-models path: hub ids served from the server's Hugging Face cache (never downloaded), the
+    device and dtype chosen, the same bounds and refusals as folders."""
+    import huggingface_hub
+
+    cache = tmp_path / "hub"
+    for repo_id, folder in (("someone/target", "target"), ("someone/drafter", "drafter")):
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / ("0" * 40)
+        shutil.copytree(folders / folder, snapshot)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    own = dict(model=MODEL_LOCAL, target_path="someone/target", drafter_path="someone/drafter")
+    out = final(store, dtype="bfloat16", **own)
+    assert out["status"].startswith("Done"), out["status"]
+    pair = store.get(MODEL_LOCAL, "someone/target", "someone/drafter", "cpu", "bfloat16")
+    assert pair.target.dtype == pair.drafter.dtype == torch.bfloat16 and "someone/target" in pair.title
+    assert "not in" not in out["status"] and out["raw"]["greedy_check"] is not None
+    missing = message(store, model=MODEL_LOCAL, target_path="someone/not-downloaded")
+    assert "neither a folder on the server nor a model in its Hugging Face cache" in missing
+    assert "unknown device 'cuda:7'" in message(store, device="cuda:7", **own)
+    assert "unknown dtype 'int8'" in message(store, dtype="int8", **own)
 
 
 def test_local_folders_refused_when_shared(store):
@@ -453,10 +481,11 @@ def test_stream_generate_time_limit(store):
 
 
 def test_control_visibility():
-    target_box, drafter_box, method = on_model_change(MODEL_LOCAL, "sink_window")
-    assert target_box["visible"] and drafter_box["visible"] and method["value"] == "sink_window"
-    assert on_model_change(MODEL_SMOKE_MTP, "budgeted")[2]["value"] == "mtp_windowed"
-    assert on_model_change(MODEL_SMOKE, "mtp_native")[2]["value"] == "budgeted"  # the package's default
+    *boxes, method = on_model_change(MODEL_LOCAL, "sink_window")
+    assert all(box["visible"] for box in boxes) and len(boxes) == 4 and method["value"] == "sink_window"
+    assert not any(box["visible"] for box in on_model_change(MODEL_SMOKE, "budgeted")[:4])
+    assert on_model_change(MODEL_SMOKE_MTP, "budgeted")[-1]["value"] == "mtp_windowed"
+    assert on_model_change(MODEL_SMOKE, "mtp_native")[-1]["value"] == "budgeted"  # the package's default
     depth, text, upload = on_source_change("passkey")
     assert depth["visible"] and not text["visible"] and not upload["visible"]
     policy, budget, sink, window, gamma = on_method_change("budgeted")

@@ -42,6 +42,8 @@ def values(**overrides):
         model=MODEL_SMOKE,
         target_path="",
         drafter_path="",
+        device="cpu",
+        dtype="float32",
         source="document",
         text="",
         upload=None,
@@ -109,7 +111,7 @@ def test_bad_input_through_the_api(client):
     status = named(client.predict(*values(model="local", target_path="/no/such/model"), api_name="/run"))[
         "status"
     ]
-    assert "does not exist on the server" in status
+    assert "neither a folder on the server nor a model in its Hugging Face cache" in status
 
 
 def test_one_run_at_a_time(server, client):

@@ -32,6 +32,7 @@ from .backend import (  # noqa: E402
     RunRequest,
     Snapshot,
     compare,
+    devices,
     model_choices,
 )
 from .config import HOST, AppArguments  # noqa: E402
@@ -42,6 +43,8 @@ RUN_INPUTS = (
     "model",
     "target_path",
     "drafter_path",
+    "device",
+    "dtype",
     "source",
     "text",
     "upload",
@@ -88,6 +91,7 @@ def request_from_values(*values) -> RunRequest:
     named["sampling"] = decoding == "sampling"
     for name in ("target_path", "drafter_path", "text"):
         named[name] = named[name] or ""
+    named["device"], named["dtype"] = named["device"] or "cpu", named["dtype"] or "float32"
     named["upload"] = named["upload"] or None
     return RunRequest(**named)
 
@@ -132,13 +136,15 @@ def run_event(store: ModelStore, limits: AppArguments, *values) -> Iterator[tupl
 
 
 def on_model_change(model: str, method: str) -> tuple:
-    """Show the folder boxes for local models; move to a method the chosen models have."""
+    """Show the model boxes, device and dtype for the visitor's own models; move to a method the chosen models
+    have."""
     local = model == MODEL_LOCAL
     if model == MODEL_SMOKE_MTP and method in DRAFTER_METHODS:
         method = "mtp_windowed"
     elif model != MODEL_SMOKE_MTP and model != MODEL_LOCAL and method in MTP_METHODS:
         method = DEFAULT_SPEC.cache
-    return gr.update(visible=local), gr.update(visible=local), gr.update(value=method)
+    shown = gr.update(visible=local)
+    return shown, shown, shown, shown, gr.update(value=method)
 
 
 def on_source_change(source: str) -> tuple:
@@ -210,16 +216,20 @@ def _model_controls(args: AppArguments) -> dict:
                 model_choices(args.allow_local_models), value=DEFAULT_MODEL, label="Models", elem_id="model"
             ),
             "target_path": gr.Textbox(
-                label="Target folder (on the server)",
-                placeholder="/path/to/target (save_pretrained folder, safetensors)",
+                label="Target: a folder on the server or a hub id in its Hugging Face cache",
+                placeholder="/path/to/target or someone/long-target (safetensors; never downloaded)",
                 visible=False,
                 max_lines=1,
             ),
             "drafter_path": gr.Textbox(
-                label="Drafter folder (empty for AR or MTP)",
-                placeholder="/path/to/drafter",
+                label="Drafter: folder or cached hub id (empty for AR or MTP)",
+                placeholder="/path/to/drafter or someone/small-drafter",
                 visible=False,
                 max_lines=1,
+            ),
+            "device": gr.Dropdown(devices(), value="cpu", label="Device", visible=False, elem_id="device"),
+            "dtype": gr.Dropdown(
+                ["float32", "bfloat16", "float16", "auto"], value="float32", label="dtype", visible=False
             ),
         }
 
@@ -356,7 +366,7 @@ def _wire_events(ui: dict, store: ModelStore, args: AppArguments) -> None:
     ui["model"].change(
         on_model_change,
         [ui["model"], ui["method"]],
-        [ui["target_path"], ui["drafter_path"], ui["method"]],
+        [ui["target_path"], ui["drafter_path"], ui["device"], ui["dtype"], ui["method"]],
         api_visibility="private",
     )
     ui["source"].change(

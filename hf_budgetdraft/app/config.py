@@ -32,6 +32,13 @@ class AppArguments:
             "where anyone with the link could probe the server's files)."
         },
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Let visitors' models run code shipped with their checkpoints (off: transformers' own model "
+            "classes only)."
+        },
+    )
     threads: int = field(default=2, metadata={"help": "torch threads used by the generations."})
     max_context_length: int = field(default=8192, metadata={"help": "Longest prompt a visitor may ask for."})
     max_new_tokens: int = field(default=256, metadata={"help": "Most tokens one generation may produce."})

@@ -37,6 +37,7 @@ from .request import (
     UPLOAD_SUFFIXES,
     DemoInputError,
     RunRequest,
+    devices,
     model_choices,
 )
 from .store import TOKENIZER_DIR, ModelPair, ModelStore, check_compatible, check_model_folder
@@ -78,6 +79,7 @@ __all__ = [
     "draft_spec",
     "full_kv_bytes",
     "method_title",
+    "devices",
     "model_choices",
     "read_upload",
     "require_method",

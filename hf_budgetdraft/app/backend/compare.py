@@ -57,7 +57,9 @@ def compare(
     try:
         request = request.check(limits)
         yield Snapshot("Loading the models…")
-        pair = store.get(request.model, request.target_path, request.drafter_path)
+        pair = store.get(
+            request.model, request.target_path, request.drafter_path, request.device, request.dtype
+        )
         require_method(request, pair)
         prompt = build_prompt(request, pair, limits)
         decoding = decoding_kwargs(request, pair.tokenizer)
@@ -85,7 +87,7 @@ def compare(
         snapshot.status = "Running plain AR…" if name == "ar" else f"Running {view.title}…"
         stream = stream_generate(
             pair.target,
-            prompt.input_ids,
+            prompt.input_ids.to(pair.target.device),
             decoding | kwargs,
             seed=request.seed,
             cancel=cancel,

@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from ...cache.policies import POLICIES
 from ...generation.plan import DraftSpec
+from ...loading import DTYPES
 from ..config import AppArguments
 
 DEFAULT_SPEC = DraftSpec()  # the app's defaults are the package's
@@ -67,6 +70,11 @@ class DemoInputError(ValueError):
     """A visitor input the app refuses; the message says what was wrong and how to fix it."""
 
 
+def devices() -> list[str]:
+    """The devices a visitor's own models may run on: the CPU and each GPU this server has."""
+    return ["cpu", *(f"cuda:{index}" for index in range(torch.cuda.device_count()))]
+
+
 def model_choices(allow_local: bool = True) -> list[tuple[str, str]]:
     """`(label, value)` pairs for the model selector, in `MODEL_LABELS` order: the bundled pair first, the random
     smoke models (they need nothing on disk), local folders when allowed."""
@@ -79,8 +87,10 @@ class RunRequest:
 
     Attributes:
         model (`str`): a key of `MODEL_LABELS`.
-        target_path, drafter_path (`str`): local model folders (model `"local"` only; the drafter may be empty for
-            AR and MTP methods).
+        target_path, drafter_path (`str`): model `"local"` only: a folder on the server or a hub id in its Hugging
+            Face cache (never downloaded); the drafter may be empty for AR and MTP methods.
+        device (`str`): model `"local"`: where the pair runs, one of `devices()`.
+        dtype (`str`): model `"local"`: `auto` (the checkpoint's own), `float32`, `bfloat16` or `float16`.
         source (`str`): a key of `SOURCE_LABELS`.
         text (`str`): pasted text (source `"text"`).
         upload (`str`, *optional*): path of an uploaded text file (source `"text"`; replaces `text`).
@@ -101,6 +111,8 @@ class RunRequest:
     model: str = MODEL_SMOKE
     target_path: str = ""
     drafter_path: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
     source: str = "document"
     text: str = ""
     upload: str | None = None
@@ -128,7 +140,17 @@ class RunRequest:
 
 def _coerced(values: dict) -> dict:
     """`values` with strings as strings and every `_NUMBERS` field as its type (an integral float is an int)."""
-    for name in ("model", "target_path", "drafter_path", "source", "text", "method", "policy"):
+    for name in (
+        "model",
+        "target_path",
+        "drafter_path",
+        "device",
+        "dtype",
+        "source",
+        "text",
+        "method",
+        "policy",
+    ):
         values[name] = "" if values[name] is None else str(values[name])
     values["upload"] = str(values["upload"]) if values["upload"] else None
     values["sampling"] = bool(values["sampling"])
@@ -177,6 +199,10 @@ def _check_choices(request: RunRequest, limits: AppArguments) -> None:
             "this server does not load model folders by path (it was started with --share; restart it with "
             "--allow_local_models true to allow it)"
         )
+    if request.device not in devices():
+        raise DemoInputError(f"unknown device {request.device!r}; this server has {devices()}")
+    if request.dtype != "auto" and request.dtype not in DTYPES:
+        raise DemoInputError(f"unknown dtype {request.dtype!r}; choose one of {['auto', *DTYPES]}")
     if request.method == "budgeted" and request.policy not in POLICIES:
         raise DemoInputError(f"unknown policy {request.policy!r}; choose one of {list(POLICY_NAMES)}")
 

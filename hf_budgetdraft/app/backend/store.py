@@ -8,12 +8,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from ... import demo as demo_package
 from ...demo.models import DEMO_DIR
 from ...generation.mtp import expose_mtp_layers
+from ...loading import LoadFlags, load_model
 from ...quiet import quiet_transformers
 from ...random_models import smoke_mtp_model, smoke_pair
 from ..config import AppArguments
@@ -84,21 +86,19 @@ def _num_mtp_layers(model) -> int:
 
 
 def check_model_folder(path: str, role: str, max_bytes: int) -> Path:
-    """The folder of a local model, or a `DemoInputError` saying what is missing.
+    """The folder of a visitor's model, or a `DemoInputError` saying what is missing.
 
     Args:
-        path (`str`): what the visitor typed (`~` is expanded).
+        path (`str`): what the visitor typed: a folder on the server (`~` is expanded) or a hub id already in the
+            server's Hugging Face cache (the app never downloads).
         role (`str`): `"target"` or `"drafter"`, for the message.
         max_bytes (`int`): the most bytes of `.safetensors` weights the server accepts.
     """
     if not path or not path.strip():
-        raise DemoInputError(f"enter the {role} model folder (a directory written by save_pretrained())")
+        raise DemoInputError(f"enter the {role} model: a folder written by save_pretrained() or a hub id")
     folder = Path(path.strip()).expanduser()
     if not folder.is_dir():
-        raise DemoInputError(
-            f"{role} model folder {path.strip()!r} does not exist on the server (or is not a directory); give the "
-            "path of a folder written by save_pretrained() on this machine (hub names are not downloaded)"
-        )
+        folder = _cached_snapshot(path.strip(), role)
     if not (folder / "config.json").is_file():
         raise DemoInputError(
             f"{role} model folder {str(folder)!r} has no config.json; it must be a folder written by "
@@ -119,18 +119,31 @@ def check_model_folder(path: str, role: str, max_bytes: int) -> Path:
     return folder
 
 
-def _load_model(folder: Path, role: str):
+def _cached_snapshot(name: str, role: str) -> Path:
+    """The folder of hub id `name` in this server's Hugging Face cache (nothing is downloaded)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(folder), use_safetensors=True, local_files_only=True, dtype=torch.float32
-        )
+        return Path(huggingface_hub.snapshot_download(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - a malformed id or a cache miss: the visitor gets one message
+        raise DemoInputError(
+            f"{role} model {name!r} is neither a folder on the server nor a model in its Hugging Face cache; give "
+            "a folder written by save_pretrained() or a hub id downloaded on this machine (the app never downloads)"
+        ) from None
+
+
+def _load_model(folder: Path, role: str, flags: LoadFlags):
+    try:
+        model = load_model(str(folder), flags)
     except Exception as error:  # noqa: BLE001 - transformers raises many types; the visitor gets one message
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        remote = (
+            "" if flags.trust_remote_code else " Models that need trust_remote_code load only on a server "
+        )
+        remote += "" if flags.trust_remote_code else "started with --trust_remote_code."
         raise DemoInputError(
-            f"could not load the {role} from {str(folder)!r} as a causal LM ({type(error).__name__}: {first_line}). "
-            "Models that need trust_remote_code are not loaded by this app."
+            f"could not load the {role} from {str(folder)!r} as a causal LM ({type(error).__name__}: "
+            f"{first_line}).{remote}"
         ) from None
-    return model.eval()
+    return model
 
 
 def _local_tokenizers(target_folder: Path, drafter_folder: Path | None) -> tuple:
@@ -204,19 +217,29 @@ class ModelStore:
     def max_positions(self) -> int:
         return self.limits.max_context_length + self.limits.max_new_tokens + self.limits.max_gamma + 8
 
-    def get(self, model: str, target_path: str = "", drafter_path: str = "") -> ModelPair:
-        """The `ModelPair` of a choice, loading it on first use (`DemoInputError` for bad folders)."""
-        key = model if model != MODEL_LOCAL else f"local:{target_path.strip()}|{drafter_path.strip()}"
+    def get(
+        self,
+        model: str,
+        target_path: str = "",
+        drafter_path: str = "",
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> ModelPair:
+        """The `ModelPair` of a choice, loading it on first use (`DemoInputError` for bad folders); a visitor's own
+        pair (`"local"`) loads on `device` in `dtype`."""
+        own = f"local:{target_path.strip()}|{drafter_path.strip()}|{device}|{dtype}"
+        key = model if model != MODEL_LOCAL else own
         with self._lock:
             if key not in self._pairs:
                 if model == MODEL_LOCAL:  # one local pair at a time: a new one replaces the old
                     for old in [k for k in self._pairs if k.startswith("local:")]:
                         del self._pairs[old]
+                flags = LoadFlags(device=device, dtype=dtype, trust_remote_code=self.limits.trust_remote_code)
                 with quiet_transformers():
-                    self._pairs[key] = self._load(model, target_path, drafter_path, key)
+                    self._pairs[key] = self._load(model, target_path, drafter_path, key, flags)
             return self._pairs[key]
 
-    def _load(self, model: str, target_path: str, drafter_path: str, key: str) -> ModelPair:
+    def _load(self, model: str, target_path: str, drafter_path: str, key: str, flags: LoadFlags) -> ModelPair:
         if model in (MODEL_DEMO, MODEL_DEMO_BASE):
             return self._load_demo(model, key)
         if model == MODEL_SMOKE:
@@ -231,7 +254,7 @@ class ModelStore:
             return ModelPair(
                 key, MODEL_LABELS[model], _bundled_tokenizer(), target, None, _num_mtp_layers(target), True
             )
-        return self._load_local(target_path, drafter_path, key)
+        return self._load_local(target_path, drafter_path, key, flags)
 
     def _load_demo(self, model: str, key: str) -> ModelPair:
         demo = demo_package.load_demo_models()
@@ -247,20 +270,21 @@ class ModelStore:
             sampling_drafter=None if base else demo.sampling_drafter,
         )
 
-    def _load_local(self, target_path: str, drafter_path: str, key: str) -> ModelPair:
+    def _load_local(self, target_path: str, drafter_path: str, key: str, flags: LoadFlags) -> ModelPair:
         max_bytes = self.limits.max_model_bytes
         target_folder = check_model_folder(target_path, "target", max_bytes)
         drafter_folder = (
             check_model_folder(drafter_path, "drafter", max_bytes) if drafter_path.strip() else None
         )
         tokenizer, drafter_tokenizer = _local_tokenizers(target_folder, drafter_folder)
-        target = _load_model(target_folder, "target")
-        drafter = _load_model(drafter_folder, "drafter") if drafter_folder is not None else None
+        target = _load_model(target_folder, "target", flags)
+        drafter = _load_model(drafter_folder, "drafter", flags) if drafter_folder is not None else None
         check_compatible(tokenizer, target, drafter, drafter_tokenizer)
         mtp = _num_mtp_layers(target)
         if mtp:
             expose_mtp_layers(target)
-        title = f"local: {target_folder}" + (f" + {drafter_folder}" if drafter_folder else "")
+        title = f"{target_path.strip()}" + (f" + {drafter_path.strip()}" if drafter_folder else "")
+        title += f" ({flags.device}, {target.dtype})".replace("torch.", "")
         return ModelPair(key, title, tokenizer, target, drafter, mtp, False)
 
     def close(self) -> None:
