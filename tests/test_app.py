@@ -469,7 +469,8 @@ def test_greedy_check_reports_the_first_difference(store):
     check = summary["greedy_check"]
     assert check["identical"] is False and check["diff_tokens"] == 1 and check["first_diff"] == 2
     assert isinstance(check["margin"], float)
-    assert summary["speed_up"] == pytest.approx(2.0)
+    assert summary["speed_up"] == pytest.approx((2 / 0.3) / (3 / 0.5))  # decoding, after the first chunk
+    assert summary["speed_up_end_to_end"] == pytest.approx(2.0)
     assert "Differs from the target's greedy output" in verdict_markdown(summary)
 
 

@@ -23,7 +23,12 @@ pytest.importorskip("gradio", reason="the demo app needs the `app` extra: pip in
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install 'hf-budgetdraft[app]' (playwright)")
 
 from hf_budgetdraft.app import AppArguments  # noqa: E402
-from hf_budgetdraft.app.app import build_app, launch_app  # noqa: E402
+from hf_budgetdraft.app.app import (  # noqa: E402
+    DEFAULT_CONTEXT_LENGTH,
+    DEFAULT_NEW_TOKENS,
+    build_app,
+    launch_app,
+)
 
 # offline, as root, in a container: no sandbox, no GPU, no background calls to Google's hosts
 CHROMIUM_ARGS = [
@@ -42,7 +47,7 @@ TIMEOUT_MS = 120_000
 
 @pytest.fixture(scope="module")
 def url():
-    args = AppArguments(port=0, threads=1, max_context_length=4096, max_new_tokens=128)
+    args = AppArguments(port=0, threads=2, max_context_length=DEFAULT_CONTEXT_LENGTH, max_new_tokens=256)
     blocks = build_app(args)
     _, local_url, _ = launch_app(blocks, args, prevent_thread_lock=True, quiet=True)
     yield local_url
@@ -70,18 +75,17 @@ def test_one_generation_in_the_browser(page, tmp_path):
     expect = sync_api.expect
     expect(page.get_by_role("heading", name="hf-budgetdraft")).to_be_visible()
     expect(page.get_by_role("combobox", name="Models")).to_have_value(re.compile("Bundled demo pair"))
-    new_tokens = 64
-    for box, value in (("#context-length", 4096), ("#max-new-tokens", new_tokens)):
-        number = page.locator(f"{box} input[type=number]")
-        number.fill(str(value))
-        number.press("Enter")
+    new_tokens = (
+        DEFAULT_NEW_TOKENS  # the page's defaults: the run a first visitor sees (the README's screenshot)
+    )
+    for box, value in (("#context-length", DEFAULT_CONTEXT_LENGTH), ("#max-new-tokens", new_tokens)):
         expect(page.locator(f"{box} input[type=range]")).to_have_value(str(value))
     page.locator("#run").click()
     expect(page.locator("#verdict")).to_contain_text(
         "Identical to the target's own greedy output", timeout=TIMEOUT_MS
     )
     expect(page.locator("#status")).to_contain_text("Done")
-    expect(page.locator("#stats")).to_contain_text("Prompt: 4096 tokens")
+    expect(page.locator("#stats")).to_contain_text(f"Prompt: {DEFAULT_CONTEXT_LENGTH} tokens")
     # both columns, every token coloured by where it came from
     expect(page.locator('#ar-output span[data-origin="ar"]')).to_have_count(new_tokens)
     drafted = page.locator('#spec-output span[data-origin="draft"]').count()

@@ -61,6 +61,8 @@ RUN_INPUTS = (
     "temperature",
     "seed",
 )
+# the first run shows the package at a long context: a 4K-token document, enough tokens for decoding to dominate
+DEFAULT_CONTEXT_LENGTH, DEFAULT_NEW_TOKENS = 4096, 128
 RUN_OUTPUTS = ("status", "prompt", "ar_output", "spec_output", "verdict", "stats", "plot", "raw")
 
 INTRO = """\
@@ -263,7 +265,7 @@ def _context_controls(args: AppArguments) -> dict:
             "context_length": gr.Slider(
                 16,
                 args.max_context_length,
-                value=min(1024, args.max_context_length),
+                value=min(DEFAULT_CONTEXT_LENGTH, args.max_context_length),
                 step=16,
                 label="Context length (prompt tokens)",
                 elem_id="context-length",
@@ -311,7 +313,7 @@ def _decoding_controls(args: AppArguments) -> dict:
         "max_new_tokens": gr.Slider(
             1,
             args.max_new_tokens,
-            value=min(48, args.max_new_tokens),
+            value=min(DEFAULT_NEW_TOKENS, args.max_new_tokens),
             step=1,
             label="Max new tokens",
             elem_id="max-new-tokens",

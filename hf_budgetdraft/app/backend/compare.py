@@ -19,6 +19,8 @@ from .store import ModelPair, ModelStore
 from .streaming import RunProgress, stream_generate
 from .summary import summarize
 
+REFRESH_SECONDS = 0.2  # the page's update interval while tokens stream (each update re-renders both columns)
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,7 +42,7 @@ def compare(
     store: ModelStore,
     limits: AppArguments,
     cancel: threading.Event | None = None,
-    refresh_seconds: float = 0.2,
+    refresh_seconds: float | None = None,
 ) -> Iterator[Snapshot]:
     """Run AR and then the speculative method of `request`, yielding what the page should show as they stream.
 
@@ -51,9 +53,11 @@ def compare(
         store (`ModelStore`): loaded models.
         limits (`AppArguments`): the server's bounds.
         cancel (`threading.Event`, *optional*): set to stop the running generation.
-        refresh_seconds (`float`): at most one snapshot per this many seconds while tokens stream.
+        refresh_seconds (`float`, *optional*): at most one snapshot per this many seconds while tokens stream
+            (default `REFRESH_SECONDS`).
     """
     cancel = cancel or threading.Event()
+    refresh_seconds = REFRESH_SECONDS if refresh_seconds is None else refresh_seconds
     try:
         request = request.check(limits)
         yield Snapshot("Loading the models…")

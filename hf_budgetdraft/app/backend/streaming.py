@@ -18,6 +18,7 @@ from ...quiet import quiet_transformers
 from ...timing import timed_generate
 
 _GENERATE_LOCK = threading.Lock()  # one generate() at a time in this process, whatever the web server does
+DRAIN_SECONDS = 0.1  # how often the page's thread reads the streamed tokens
 
 
 class _StopWhen(StoppingCriteria):
@@ -126,11 +127,26 @@ def _generate(
         events.put(("error", error))
 
 
-def _progress(events: queue.Queue, max_new_tokens: int | None) -> Iterator[RunProgress]:
-    """The worker's events as one `RunProgress`, yielded after every chunk and once more when done."""
-    progress = RunProgress()
+def _drained(events: queue.Queue, interval: float) -> Iterator[tuple]:
+    """The worker's events: the first at once (the first token shows as soon as it exists), then at most one read
+    per `interval` seconds: every wake-up of this thread while the worker decodes takes the GIL and a core from its
+    torch threads, so it wakes per interval, not per token."""
+    yield events.get()
     while True:
-        event = events.get()
+        batch = [events.get()]
+        time.sleep(interval)
+        while True:
+            try:
+                batch.append(events.get_nowait())
+            except queue.Empty:
+                break
+        yield from batch
+
+
+def _progress(events: queue.Queue, max_new_tokens: int | None) -> Iterator[RunProgress]:
+    """The worker's events as one `RunProgress`, yielded after each batch of chunks and once more when done."""
+    progress = RunProgress()
+    for event in _drained(events, DRAIN_SECONDS):
         if event[0] == "chunk":
             _, ids, seconds = event
             if not progress.tokens:

@@ -72,11 +72,22 @@ def summarize(
         return _finite(summary), None
     stats = spec.stats or SpeculationStats()
     summary["speculative"] = _speculative(request, pair, prompt, spec, stats, gamma)
-    summary["speed_up"] = spec.tokens_per_second / ar.tokens_per_second if ar.tokens_per_second else None
+    # decoding, as the bench reports it: the prompt's prefill (the drafter's included) is the same work with or
+    # without a draft and would hide the speed-up of a short generation after a long prompt
+    summary["speed_up"] = _ratio(spec.decode_tokens_per_second, ar.decode_tokens_per_second)
+    summary["speed_up_end_to_end"] = _ratio(spec.tokens_per_second, ar.tokens_per_second)
     if not request.sampling and not (ar.stopped or spec.stopped):
         summary["greedy_check"] = _greedy_check(pair, prompt, ar, spec)
     counts = stats.acceptance_per_position()
     return _finite(summary), acceptance_intervals(counts) if counts else None
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return (
+        numerator / denominator
+        if denominator and math.isfinite(numerator) and math.isfinite(denominator)
+        else None
+    )
 
 
 def _speculative(
