@@ -96,6 +96,7 @@ def main() -> None:
     store = blocks.hf_budgetdraft_store
     _, url, _ = launch_app(blocks, limits, prevent_thread_lock=True, quiet=True)
     captured = capture_summaries()
+    default_refresh = compare_module.REFRESH_SECONDS
     rows = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
@@ -111,6 +112,7 @@ def main() -> None:
                 browser_run(page, args.context_length, args.new_tokens)
                 rows.append(paired_row("browser", repeat, refresh, captured[-1], direct_rates(store, args)))
         browser.close()
+    compare_module.REFRESH_SECONDS = default_refresh
     for repeat in range(args.repeats):  # the same app path with no browser on these cores
         request = RunRequest(model="demo", context_length=args.context_length, max_new_tokens=args.new_tokens)
         *_, last = compare_module.compare(request, store, limits)
