@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import math
 import platform
@@ -53,6 +52,7 @@ from attention_oracles import masked_sdpa_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_cost_curves  # noqa: E402
+from gpu_report import Report  # noqa: E402
 
 VARLEN = varlen.NAME
 # run in this order; the costs take the longest
@@ -72,54 +72,6 @@ SMOKE_SIZES = dict(
     cost=gpu_cost_curves.SMOKE,
     train=dict(batch=2, prefix=64, continuation=8, budgets=[16, 24]),
 )
-
-
-class Report:
-    """The JSON document: sections, named checks, errors; rewritten to disk after every section."""
-
-    def __init__(self, path: Path, mode: str, time_budget: float, margin_tolerance: float):
-        self.path, self.start, self.time_budget = path, time.perf_counter(), time_budget
-        self.margin_tolerance = margin_tolerance
-        self.data: dict = {"mode": mode, "checks": {}, "errors": [], "skipped": []}
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def time_left(self) -> float:
-        return self.time_budget - self.elapsed()
-
-    def check(self, name: str, passed: bool, detail=None) -> None:
-        self.data["checks"][name] = {"passed": bool(passed), "detail": detail}
-        print(
-            f"  [{'ok' if passed else 'FAIL'}] {name}" + (f": {detail}" if detail is not None else ""),
-            flush=True,
-        )
-
-    def skip(self, what: str, why: str) -> None:
-        self.data["skipped"].append({"what": what, "why": why})
-        print(f"  [skip] {what}: {why}", flush=True)
-
-    def section(self, name: str, function, *args) -> None:
-        print(f"== {name} ({self.elapsed():.0f} s)", flush=True)
-        began = time.perf_counter()
-        try:
-            self.data[name] = function(self, *args)
-        except Exception as error:  # a failed section is recorded; the others still run
-            self.data["errors"].append(
-                {"section": name, "error": repr(error), "traceback": traceback.format_exc()}
-            )
-            self.check(f"{name}.ran", False, repr(error))
-            print(traceback.format_exc(), file=sys.stderr, flush=True)
-        self.data.setdefault("section_seconds", {})[name] = round(time.perf_counter() - began, 2)
-        self.write()
-
-    def write(self) -> None:
-        self.data["elapsed_s"] = round(self.elapsed(), 2)
-        self.data["all_passed"] = not self.data["errors"] and all(
-            c["passed"] for c in self.data["checks"].values()
-        )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=2, default=str))
 
 
 def synchronize(device: torch.device) -> None:

@@ -95,6 +95,10 @@ def test_cpu_smoke_runs_every_section_and_passes(gpu_check, tmp_path, fresh_dyna
     sources = {row["acceptance"].split(" (")[0] for row in costs["speedup"]}
     assert sources == {"bundled greedy", "bundled T0.8", "paper alpha=0.79"}
     assert all(row["speedup_vs_fast_ar"] >= 1.0 for row in costs["speedup"])  # gamma = 0 is plain AR
+    import gpu_speedup  # the tables of docs/gpu.md, from the same JSON
+
+    tables = gpu_speedup.markdown(report)
+    assert "| 96 |" in tables and "Expected decode speed-up over plain `generate()`" in tables
 
     # 4. one training step: varlen views == sdpa views, and the step moved the loss
     views = report["training_step"]["views"]
