@@ -53,10 +53,10 @@ from .cpu import few_row_linears
 from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
+from .generation.draft_length import for_mtp
 from .generation.mtp import (
     AdaptiveMtpCandidateGenerator,
     expose_mtp_layers,
-    mtp_draft_length,
     mtp_fast_verify,
     windowed_mtp_cache,
 )
@@ -157,7 +157,7 @@ def _windowed_builtin_generator(self, name, generation_config, assistant_model, 
         expose_mtp_layers(self)
         generator = stock_generator()
         generator.mtp_cache = windowed_mtp_cache(self, generation_config.cache_config)
-        policy = mtp_draft_length(generation_config.cache_config, generator.num_mtp_layers)
+        policy = for_mtp(generation_config.cache_config, generator.num_mtp_layers)
         return generator if policy is None else AdaptiveMtpCandidateGenerator(generator, policy)
     if assistant_model is None:
         raise ValueError("speculation_type='dflash' needs assistant_model=<a DFlash drafter>")

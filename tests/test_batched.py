@@ -277,7 +277,7 @@ class ScriptedRowLengths:
 
 @pytest.fixture
 def scripted_lengths(monkeypatch):
-    monkeypatch.setattr(batched_module, "row_draft_length", lambda plan, rows: ScriptedRowLengths())
+    monkeypatch.setattr(batched_module, "for_rows", lambda plan, rows: ScriptedRowLengths())
 
 
 @pytest.mark.parametrize("cache", sorted(CACHES))

@@ -6,9 +6,9 @@ import torch
 from test_draft_spec import plan_for
 from tiny_models import model_pair, random_prompt
 
-from hf_budgetdraft.generation import draft_length
 from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.draft_length import FixedDraftLength, RoundClock
+from hf_budgetdraft.generation.draft_length import clock as clock_module
 
 CPU_SPEEDUPS = ("lean_step", "few_row_linear", "prefill_window")
 
@@ -86,8 +86,8 @@ class FakeEvent:
 
 def test_a_cuda_round_adds_no_synchronisation(monkeypatch):
     synchronised = []
-    monkeypatch.setattr(draft_length.torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(draft_length.torch.cuda, "synchronize", lambda *a, **k: synchronised.append(1))
+    monkeypatch.setattr(clock_module.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(clock_module.torch.cuda, "synchronize", lambda *a, **k: synchronised.append(1))
     policy = FixedDraftLength(length=4)
     updates = []
     monkeypatch.setattr(policy, "update", lambda *args: updates.append(args))

@@ -5,8 +5,12 @@ import random
 import pytest
 import torch
 
-from hf_budgetdraft.generation.draft_length import FixedDraftLength, HeuristicDraftLength
-from hf_budgetdraft.generation.row_draft_length import RowDraftLength, SharedDraftLength
+from hf_budgetdraft.generation.draft_length import (
+    FixedDraftLength,
+    HeuristicDraftLength,
+    RowDraftLength,
+    SharedDraftLength,
+)
 
 
 def simulate(policy, acceptance: list[float], rounds: int, verify=(0.010, 0.001), draft=(0.001, 0.001)):

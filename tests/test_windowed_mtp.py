@@ -15,6 +15,7 @@ from hf_budgetdraft.cache.static import StaticDraftLayer
 from hf_budgetdraft.compat import output_cache
 from hf_budgetdraft.generation import mtp as mtp_module
 from hf_budgetdraft.generation.draft_length import DraftLength
+from hf_budgetdraft.generation.draft_length import factory as draft_length_factory
 from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
 MTP_FAMILIES = {
@@ -207,7 +208,7 @@ def test_adaptive_mtp_head_catches_up_on_the_rounds_it_skipped(family, tmp_root,
     every_round = dict(every_round)
     pattern = _record_proposals(monkeypatch)
     monkeypatch.setattr(
-        mtp_module, "AdaptiveDraftLength", lambda maximum: PatternLength([0, 0, 1, 0, 1, 1, 0])
+        draft_length_factory, "AdaptiveDraftLength", lambda maximum: PatternLength([0, 0, 1, 0, 1, 1, 0])
     )
     out, stats = generate(model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=full)
     assert torch.equal(out, expected)
@@ -224,7 +225,9 @@ def test_windowed_catch_up_feeds_the_head_only_the_sink_and_the_window(family, t
     model = load(family, tmp_root)
     ids = random_prompt(400, seed=8)
     expected = model.generate(ids, do_sample=False, max_new_tokens=32)
-    monkeypatch.setattr(mtp_module, "AdaptiveDraftLength", lambda maximum: PatternLength([0] * 6 + [1] * 4))
+    monkeypatch.setattr(
+        draft_length_factory, "AdaptiveDraftLength", lambda maximum: PatternLength([0] * 6 + [1] * 4)
+    )
     head_inputs, forward_layer = [], MtpModel.forward_layer
     monkeypatch.setattr(
         MtpModel,

@@ -48,10 +48,8 @@ from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache
 from ..compat import cache_kwargs
 from .acceptance import greedy_accept, speculative_accept
-from .candidate_generator import make_draft_length
-from .draft_length import FixedDraftLength
+from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .plan import DraftPlan
-from .row_draft_length import RowDraftLength, SharedDraftLength
 from .stats import active_recorder
 
 MAX_BATCH_SIZE = 256
@@ -355,13 +353,6 @@ class BatchedSpeculation:
         return out
 
 
-def row_draft_length(plan: DraftPlan, rows: int) -> RowDraftLength | SharedDraftLength:
-    """The adaptive policy per row, or the plan's explicit length shared by every row."""
-    if plan.spec.draft_length == "adaptive":
-        return RowDraftLength(maximum=plan.spec.max_draft_length, rows=rows)
-    return SharedDraftLength(make_draft_length(plan))
-
-
 @contextlib.contextmanager
 def full_draft_cache() -> Iterator[None]:
     """Inside the block, batched calls draft on a full ragged cache instead of the sparse one the call names: the
@@ -437,7 +428,7 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
     sequences = speculation.run(
         input_ids,
         kwargs.get("attention_mask"),
-        row_draft_length(plan, input_ids.shape[0]),
+        for_rows(plan, input_ids.shape[0]),
         stats=active_recorder(),
     )
     return _output(sequences, generation_config)

@@ -7,26 +7,11 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 from ..cache import BudgetedCache, SparseDraftCache
 from ..compat import CACHE_KWARG, activate_past_recording, prepare_draft_inputs
+from . import draft_length
 from .compiled_step import record_eager_steps
-from .draft_length import (
-    AdaptiveDraftLength,
-    DraftLength,
-    FixedDraftLength,
-    HeuristicDraftLength,
-    RoundClock,
-)
+from .draft_length import RoundClock
 from .draft_steps import DraftSteps
 from .plan import DraftPlan
-
-
-def make_draft_length(plan: DraftPlan) -> DraftLength:
-    """The draft-length policy a plan names."""
-    length, maximum = plan.spec.draft_length, plan.spec.max_draft_length
-    if length == "adaptive":
-        return AdaptiveDraftLength(maximum=maximum)
-    if length == "heuristic":
-        return HeuristicDraftLength(length=plan.heuristic_start, maximum=maximum)
-    return FixedDraftLength(length=int(length))
 
 
 class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
@@ -60,7 +45,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.draft_cache = draft_cache
         self.assistant_kwargs[CACHE_KWARG] = draft_cache
         self.plan = plan
-        self.draft_length = make_draft_length(plan)
+        self.draft_length = draft_length.for_plan(plan)
         self.clock = RoundClock(self.draft_length, assistant_model.device)
         policy = getattr(draft_cache, "policy", None)
         capture = isinstance(draft_cache, BudgetedCache) and policy.needs_queries

@@ -30,7 +30,7 @@ from transformers.utils import logging
 from ..cache.sink_window import SinkWindowCache
 from ..cache.windowed import WindowedMtpCache
 from ..compat import activate_past_recording
-from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, RoundClock
+from .draft_length import DraftLength, RoundClock
 
 logger = logging.get_logger(__name__)
 MTP_CACHE_OPTIONS = ("num_sink_tokens", "window_length", "slack", "static")
@@ -55,31 +55,6 @@ def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -
     if num_mtp_layers > 1:
         activate_past_recording(cache)
     return cache
-
-
-def mtp_draft_length(cache_config: dict | None, num_mtp_layers: int) -> DraftLength | None:
-    """The draft-length policy of a windowed-MTP call, from `cache_config["draft_length"]`: `"adaptive"` (the
-    default) drafts each round only when the policy predicts it pays, for a one-layer head; a deeper head drafts its
-    fixed chain (`None`: transformers' own loop), as does `draft_length=num_mtp_layers` (for one layer, through the
-    same generator as the adaptive policy, so its catch-up is windowed too); `0` never drafts."""
-    length = (cache_config or {}).get("draft_length", "adaptive")
-    if length == "adaptive":
-        if num_mtp_layers == 1:
-            return AdaptiveDraftLength(maximum=1)
-        logger.warning_once(
-            f"an adaptive draft length drives one-layer MTP heads; this model's {num_mtp_layers} MTP layers draft "
-            "their fixed chain every round"
-        )
-        return None
-    if isinstance(length, int) and not isinstance(length, bool):
-        if length == num_mtp_layers:
-            return FixedDraftLength(1) if num_mtp_layers == 1 else None
-        if length == 0 and num_mtp_layers == 1:
-            return FixedDraftLength(0)
-    raise ValueError(
-        f"windowed MTP takes draft_length 'adaptive', {num_mtp_layers} (its MTP layers, every round) or 0 (never); "
-        f"got {length!r}"
-    )
 
 
 def mtp_fast_verify(cache_config: dict | None) -> bool:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .draft_length import DraftLength, _DecayedLinearFit
+from .base import DraftLength
+from .cost_fit import DecayedLinearFit
 
 
 @dataclass
@@ -78,8 +79,8 @@ class RowDraftLength:
         self.reached = torch.zeros(self.rows, self.maximum, dtype=torch.float64)
         # verification seconds against Σγ (all-AR rounds anchor Σγ = 0, so a light ridge suffices), draft seconds
         # against G
-        self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope / self.rows, ridge=1.0)
-        self.draft = _DecayedLinearFit(self.decay, 0.2, ridge=1.0)  # a prior step: a fifth of the mean draft
+        self.verify = DecayedLinearFit(self.decay, self.prior_verify_slope / self.rows, ridge=1.0)
+        self.draft = DecayedLinearFit(self.decay, 0.2, ridge=1.0)  # a prior step: a fifth of the mean draft
         self.rounds = 0
         self.drafting_rounds_in_a_row = 0
         self.remeasure_after = 32

@@ -13,86 +13,10 @@ with low acceptance, sampling at a high temperature — falls back to AR instead
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-
-class DraftLength:
-    """Base class: `next_length()` before a round, `update(...)` after it."""
-
-    name = "fixed"
-
-    def next_length(self) -> int:
-        raise NotImplementedError
-
-    def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
-        """Record a finished round: `drafted` tokens proposed, `accepted` of them kept (an int, or one per row of a
-        batched round), its two phase times."""
-
-
-def _per_row(accepted) -> list[int]:
-    return [int(accepted)] if isinstance(accepted, int) else [int(a) for a in accepted]
-
-
-@dataclass
-class FixedDraftLength(DraftLength):
-    """γ tokens every round (`num_assistant_tokens` with the constant schedule)."""
-
-    length: int
-    name = "fixed"
-
-    def next_length(self) -> int:
-        return self.length
-
-
-@dataclass
-class HeuristicDraftLength(DraftLength):
-    """transformers' `"heuristic"` schedule: +2 after a fully accepted round, -1 otherwise, in [1, maximum]."""
-
-    length: int
-    maximum: int
-    name = "heuristic"
-
-    def next_length(self) -> int:
-        return self.length
-
-    def update(self, drafted: int, accepted, draft_seconds: float, verify_seconds: float) -> None:
-        if drafted == 0:
-            return
-        step = 2 if min(_per_row(accepted)) == drafted else -1
-        self.length = max(1, min(self.maximum, self.length + step))
-
-
-@dataclass
-class _DecayedLinearFit:
-    """Weighted least squares `y ≈ intercept + slope·x` with exponential forgetting and a ridge pull of the slope
-    towards `prior_slope · intercept` (few distinct x early in a call make the plain fit ill-posed)."""
-
-    decay: float
-    prior_slope_ratio: float
-    ridge: float = 4.0
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σw, Σwx, Σwxx, Σwy, Σwxy
-
-    def add(self, x: float, y: float) -> None:
-        self.sums = [s * self.decay for s in self.sums]
-        for i, term in enumerate((1.0, x, x * x, y, x * y)):
-            self.sums[i] += term
-
-    @property
-    def count(self) -> float:
-        return self.sums[0]
-
-    def coefficients(self) -> tuple[float, float]:
-        w, wx, wxx, wy, wxy = self.sums
-        mean_x, mean_y = wx / w, wy / w
-        sxx, sxy = wxx - w * mean_x**2, wxy - w * mean_x * mean_y
-        # the prior slope scales with the cost level, estimated as the mean (the intercept is not known yet)
-        prior = self.prior_slope_ratio * mean_y
-        slope = max(0.0, (sxy + self.ridge * prior) / (sxx + self.ridge))
-        intercept = max(1e-6, mean_y - slope * mean_x)
-        return intercept, slope
+from .base import DraftLength
+from .cost_fit import DecayedLinearFit
 
 
 @dataclass
@@ -150,8 +74,8 @@ class AdaptiveDraftLength(DraftLength):
             raise ValueError(f"maximum must be >= 1, got {self.maximum}")
         self.accepted = [0.0] * self.maximum  # decayed counts per draft position
         self.reached = [0.0] * self.maximum
-        self.verify = _DecayedLinearFit(self.decay, self.prior_verify_slope)  # rounds that drafted
-        self.draft = _DecayedLinearFit(self.decay, self.prior_draft_slope)  # their draft phases
+        self.verify = DecayedLinearFit(self.decay, self.prior_verify_slope)  # rounds that drafted
+        self.draft = DecayedLinearFit(self.decay, self.prior_draft_slope)  # their draft phases
         self.ar_times: list[float] = []  # rounds that did not: the target's plain one-token step
         self.rounds = 0
         self.ar_rounds_in_a_row = 0
@@ -257,48 +181,3 @@ class AdaptiveDraftLength(DraftLength):
         self.verify.add(float(drafted), min(verify_seconds, (drafted + 1) * self.ar_step))
         if math.isfinite(draft_seconds) and draft_seconds >= 0:
             self.draft.add(float(drafted), min(draft_seconds, drafted * self.ar_step))
-
-
-class RoundClock:
-    """Times each round of a candidate generator for its `DraftLength` policy: the draft from `start()` to
-    `drafted(n)` (inside `get_candidates`), the verification from then to `finish(accepted)` (in
-    `update_candidate_strategy`), which feeds the policy.
-
-    On CUDA no mark synchronises: `finish` comes after the acceptance, which already waited for the device (it
-    read the accepted count), so the round's host time is its wall time, and the draft's share is read from two
-    CUDA events recorded around it (complete by then). Elsewhere each mark reads the host clock.
-    """
-
-    def __init__(self, policy: DraftLength, device: torch.device):
-        self.policy, self.device = policy, torch.device(device)
-        self.events = self.device.type == "cuda"
-        self.drafted_tokens, self.draft_seconds, self.verify_seconds = 0, 0.0, 0.0
-        self._start = self._end = time.perf_counter()
-        self._marks: tuple | None = None
-
-    def start(self) -> None:
-        self._start = time.perf_counter()
-        if self.events:
-            self._marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._marks[0].record()
-
-    def drafted(self, tokens: int) -> None:
-        self.drafted_tokens = tokens
-        if self.events:
-            self._marks[1].record()
-        else:
-            self._end = time.perf_counter()
-            self.draft_seconds = self._end - self._start
-
-    def finish(self, accepted) -> None:
-        """The round was verified: `accepted` draft tokens kept (an int, or one per row)."""
-        now = time.perf_counter()
-        if self.events:
-            begin, end = self._marks
-            if not end.query():  # only if the caller had not waited for the acceptance
-                end.synchronize()
-            self.draft_seconds = begin.elapsed_time(end) / 1e3
-            self.verify_seconds = max(0.0, now - self._start - self.draft_seconds)
-        else:
-            self.verify_seconds = now - self._end
-        self.policy.update(self.drafted_tokens, accepted, self.draft_seconds, self.verify_seconds)
