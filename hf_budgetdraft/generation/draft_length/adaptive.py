@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from .base import DraftLength
 from .cost_fit import DecayedLinearFit
 
+FIRST_PROBE_AFTER = 8  # AR rounds before a probing round drafts again (doubling while probes fail)
+FIRST_REMEASURE_AFTER = 32  # drafting rounds before the AR step is measured again (doubling)
+MOST_ROUNDS_BETWEEN_CHECKS = 256  # the most either interval grows to
+
 
 @dataclass
 class AdaptiveDraftLength(DraftLength):
@@ -80,8 +84,8 @@ class AdaptiveDraftLength(DraftLength):
         self.rounds = 0
         self.ar_rounds_in_a_row = 0
         self.drafting_rounds_in_a_row = 0
-        self.remeasure_after = 32
-        self.probe_after = 8
+        self.remeasure_after = FIRST_REMEASURE_AFTER
+        self.probe_after = FIRST_PROBE_AFTER
 
     @property
     def ar_step(self) -> float | None:
@@ -142,10 +146,10 @@ class AdaptiveDraftLength(DraftLength):
         if best > 0 and rates[best] < (1 + self.switch_margin) * rates[0]:
             best = 0  # a predicted gain inside the estimates' noise is not worth a drafting round
         if best > 0 and self.drafting_rounds_in_a_row >= self.remeasure_after:
-            self.remeasure_after = min(2 * self.remeasure_after, 256)
+            self.remeasure_after = min(2 * self.remeasure_after, MOST_ROUNDS_BETWEEN_CHECKS)
             return 0  # re-measure the AR step drafting is compared with
         if best > 0:
-            self.probe_after = 8  # drafting pays again: probe soon after the next fallback
+            self.probe_after = FIRST_PROBE_AFTER  # drafting pays again: probe soon after the next fallback
             return best
         # a close call: drafting may still pay, were its acceptance one standard deviation above the estimate
         hopeful = self.expected_rates(optimism=1.0)
@@ -153,7 +157,7 @@ class AdaptiveDraftLength(DraftLength):
         close = hopeful[drafting] >= (1 - self.close_call) * rates[0]
         if self.ar_rounds_in_a_row >= (self.close_probe_after if close else self.probe_after):
             if not close:
-                self.probe_after = min(2 * self.probe_after, 256)
+                self.probe_after = min(2 * self.probe_after, MOST_ROUNDS_BETWEEN_CHECKS)
             self.ar_rounds_in_a_row = 0
             return drafting
         return 0
