@@ -19,6 +19,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ATTENTION = ("sdpa", "eager", "budgetdraft_sdpa", "flash_attention_2")
 
 
+def revision_field():
+    """The `--revision` flag every command that loads by name shares."""
+    return field(default=None, metadata={"help": "A hub id's branch, tag or commit (default: main)."})
+
+
+def trust_remote_code_field():
+    """The `--trust_remote_code` flag every command that loads by name shares (off by default)."""
+    return field(
+        default=False,
+        metadata={"help": "Run code shipped with a checkpoint (off: only transformers' own model classes)."},
+    )
+
+
 @dataclass
 class LoadFlags:
     """How the named models are loaded (the same flags on every command)."""
@@ -35,13 +48,8 @@ class LoadFlags:
         default="sdpa",
         metadata={"help": f"The attention both models are loaded with: {' | '.join(ATTENTION)}."},
     )
-    revision: str | None = field(
-        default=None, metadata={"help": "A hub id's branch, tag or commit (default: main)."}
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Run code shipped with a checkpoint (off: only transformers' own model classes)."},
-    )
+    revision: str | None = revision_field()
+    trust_remote_code: bool = trust_remote_code_field()
 
     def __post_init__(self):
         check_device(self.device)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..export import DEFAULT_WINDOW, DTYPES, MARKER, check_options, check_output_dir, export_drafter
-from ..loading import LoadFlags, load_model, load_tokenizer
+from ..loading import LoadFlags, load_model, load_tokenizer, revision_field, trust_remote_code_field
 
 
 @dataclass
@@ -56,15 +56,8 @@ class ExportArguments:
     overwrite: bool = field(
         default=False, metadata={"help": "Replace OUTPUT_DIR if it holds an earlier export."}
     )
-    revision: str | None = field(
-        default=None, metadata={"help": "The drafter's hub branch, tag or commit (default: main)."}
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={
-            "help": "Run code shipped with the drafter's checkpoint (off: transformers' own classes only)."
-        },
-    )
+    revision: str | None = revision_field()
+    trust_remote_code: bool = trust_remote_code_field()
 
     def __post_init__(self):
         check_options(self.engine, self.window_length, self.num_sink_tokens, self.num_speculative_tokens)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..loading import LoadFlags, load_model, load_tokenizer
+from ..loading import LoadFlags, load_model, load_tokenizer, revision_field, trust_remote_code_field
 from ..random_models import random_pair
 from ..trainer.config import BudgetDraftConfig
 
@@ -85,16 +85,8 @@ class TrainScriptArguments:
     )
     num_random_rows: int = field(default=64, metadata={"help": "--random_models: rows of random tokens."})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)."})
-    revision: str | None = field(
-        default=None,
-        metadata={"help": "Hub branch, tag or commit of the drafter and the teacher (default: main)."},
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={
-            "help": "Run code shipped with the checkpoints (off: transformers' own model classes only)."
-        },
-    )
+    revision: str | None = revision_field()
+    trust_remote_code: bool = trust_remote_code_field()
     attn_implementation: str = field(
         default="sdpa", metadata={"help": "The attention the teacher and the drafter are loaded with."}
     )

@@ -19,7 +19,7 @@ import torch
 
 from ..cache.base import MAX_CACHE_TOKENS
 from ..cache.policies import POLICIES
-from ..loading import check_device
+from ..loading import check_device, revision_field, trust_remote_code_field
 from .tasks import TASKS
 
 BENCH_METHODS = (
@@ -178,16 +178,8 @@ class _RunFlags:
         default=None, metadata={"help": "torch threads, set explicitly and recorded (smoke: 1, demo: 2)."}
     )
     device: str = field(default="cpu", metadata={"help": "cpu | cuda | cuda:N."})
-    revision: str | None = field(
-        default=None,
-        metadata={"help": "full: hub branch, tag or commit of the named models (default: main)."},
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={
-            "help": "full: run code shipped with the checkpoints (off: transformers' own classes only)."
-        },
-    )
+    revision: str | None = revision_field()
+    trust_remote_code: bool = trust_remote_code_field()
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "Model dtype (fp32 on CPU: every greedy-diff cell must be 0)."}
     )
