@@ -54,14 +54,10 @@ from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
-from .generation.mtp import (
-    AdaptiveMtpCandidateGenerator,
-    expose_mtp_layers,
-    mtp_fast_verify,
-    windowed_mtp_cache,
-)
+from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import CACHE_CLASSES, DraftPlan, DraftSpec, resolve_plan, verify_attention
 from .generation.stats import active_recorder, instrument
+from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, mtp_fast_verify, windowed_mtp_cache
 
 logger = logging.get_logger(__name__)
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES

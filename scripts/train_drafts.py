@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from train_target import MTP_MOE, Sampler, lr_at
 from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
+from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
 TRAINING_MIX = [4, 2, 1, 2]  # text / passkey / copy / repeat (Sampler.KINDS)
 

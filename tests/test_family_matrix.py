@@ -23,12 +23,8 @@ from hf_budgetdraft import BudgetedCache, SinkWindowCache, query_capture, record
 from hf_budgetdraft.cache import SparseDraftLayer, StaticDraftLayer, get_policy
 from hf_budgetdraft.cache import base as cache_base
 from hf_budgetdraft.compat import cache_kwargs
-from hf_budgetdraft.generation.mtp import (
-    expose_mtp_layers,
-    new_mtp_head,
-    save_pretrained_with_mtp,
-    windowed_mtp_cache,
-)
+from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
+from hf_budgetdraft.generation.windowed_mtp import windowed_mtp_cache
 
 PROMPT_LENGTH, NEW_TOKENS = 240, 32
 CACHES = {

@@ -13,10 +13,10 @@ from hf_budgetdraft import cache_nbytes, record_speculation
 from hf_budgetdraft.cache import WindowedMtpCache
 from hf_budgetdraft.cache.static import StaticDraftLayer
 from hf_budgetdraft.compat import output_cache
-from hf_budgetdraft.generation import mtp as mtp_module
+from hf_budgetdraft.generation import windowed_mtp as mtp_module
 from hf_budgetdraft.generation.draft_length import DraftLength
 from hf_budgetdraft.generation.draft_length import factory as draft_length_factory
-from hf_budgetdraft.generation.mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
+from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
 MTP_FAMILIES = {
     "glm4_moe": dict(first_k_dense_replace=2, head_dim=16, num_key_value_heads=2),

@@ -12,7 +12,7 @@ Either way the draft's attention cost and memory stop growing with context, and 
 token with full attention (lossless by construction); a window covering the whole context reproduces the native
 head exactly. Sliding-window layers (Mellum's `mtp_layer_types=["sliding_attention"]`, DFlash's sliding layers)
 keep transformers' own layer, as every `SparseDraftCache` does: they are bounded already. `generate()`'s
-`cache_config` becomes one of these in `generation.mtp.windowed_mtp_cache` / `generation.dflash.windowed_dflash_cache`.
+`cache_config` becomes one of these in `generation.windowed_mtp.windowed_mtp_cache` / `generation.dflash.windowed_dflash_cache`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..generation.mtp import expose_mtp_layers
+from ..generation.mtp_heads import expose_mtp_layers
 from ..loading import DTYPES
 from ..quiet import peft_wrapping, quiet_transformers
 

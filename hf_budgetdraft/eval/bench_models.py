@@ -76,7 +76,7 @@ def demo_models(do_sample: bool = False) -> BenchModels:
 
 def full_models(args: BenchArguments) -> BenchModels:
     """Your models, each a local folder or a hub id, through the package's one loader."""
-    from ..generation.mtp import expose_mtp_layers
+    from ..generation.mtp_heads import expose_mtp_layers
 
     flags = load_flags(args)
     targets = {"target": load_model(args.target, flags)}
@@ -103,7 +103,7 @@ def load_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     elif args.preset == "demo":
         models = demo_models(args.do_sample)
         if args.mtp_model:
-            from ..generation.mtp import expose_mtp_layers
+            from ..generation.mtp_heads import expose_mtp_layers
 
             models.targets["mtp"] = expose_mtp_layers(load_model(args.mtp_model, load_flags(args)))
     else:

@@ -7,7 +7,8 @@
 - `draft_length`: how many tokens a round drafts (fixed, transformers' heuristic, adaptive);
 - `acceptance`: greedy and speculative-sampling acceptance of a round's drafts;
 - `batched`: the ragged batched loop (every row advances by its own accepted count);
-- `mtp`, `dflash`: the model's own MTP head / the DFlash block drafter on a sink + window cache;
+- `windowed_mtp`, `dflash`: the model's own MTP head / the DFlash block drafter on a sink + window cache;
+- `mtp_heads`: building, exposing and saving an MTP head;
 - `stats`: `record_speculation()`, per-round acceptance and cost of any speculative `generate()` call.
 """
 
@@ -17,9 +18,10 @@ from .candidate_generator import SparseDraftCandidateGenerator
 from .compiled_step import draft_step_compile_config
 from .dflash import windowed_dflash_cache
 from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, HeuristicDraftLength
-from .mtp import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp, windowed_mtp_cache
+from .mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 from .plan import DraftPlan, DraftSpec, resolve_plan
 from .stats import SpeculationStats, record_speculation
+from .windowed_mtp import windowed_mtp_cache
 
 __all__ = [
     "AdaptiveDraftLength",

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from ... import demo as demo_package
 from ...demo.models import DEMO_DIR
-from ...generation.mtp import expose_mtp_layers
+from ...generation.mtp_heads import expose_mtp_layers
 from ...loading import LoadFlags, load_model
 from ...quiet import quiet_transformers
 from ...random_models import smoke_mtp_model, smoke_pair
