@@ -35,7 +35,7 @@ import torch
 
 from hf_budgetdraft.cache import GrowableCache
 from hf_budgetdraft.demo import load_demo_models
-from hf_budgetdraft.eval.batched import number_text
+from hf_budgetdraft.eval.batched_bench import number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted
 from hf_budgetdraft.eval.speedup_model import alpha_needed, expected_speedup, survival
 from hf_budgetdraft.timing import ar_setup

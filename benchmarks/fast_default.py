@@ -56,7 +56,7 @@ import torch
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
-from hf_budgetdraft.eval.batched import interval_text, number_text
+from hf_budgetdraft.eval.batched_bench import interval_text, number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted, run_mtp
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -19,7 +19,7 @@
   exact O(1) rollback) when every layer is full attention, else transformers' default; without a draft, the
   target itself runs on the sparse cache (StreamingLLM-style, **lossy**: output can differ from full-cache greedy
   decoding).
-- `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched.py` with no
+- `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched_loop.py` with no
   draft, so each row's sink / selection is of its own tokens, not of the padding.
 
 `install()` also registers `attn_implementation="budgetdraft_sdpa"`, `"budgetdraft_varlen"` (varlen kernels on
@@ -50,7 +50,7 @@ from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .cpu import few_row_linears
-from .generation.batched import drafting_on_full_cache, run_batched, run_sparse_batch
+from .generation.batched_loop import drafting_on_full_cache, run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
@@ -225,7 +225,7 @@ def _plan(target, assistant_model, generation_config, batched: bool = False) -> 
 
 def _assisted_decoding(self, *args, **kwargs):
     """Sparse-draft calls run inside their `DraftPlan`, scoped to this call (the models are not written to). A batch of
-    more than one row runs the batched loop (`generation/batched.py`)."""
+    more than one row runs the batched loop (`generation/batched_loop.py`)."""
     generation_config = kwargs.get("generation_config")
     assistant_model = kwargs.get("assistant_model")
     input_ids = args[0] if args else kwargs.get("input_ids")

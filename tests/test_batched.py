@@ -18,8 +18,8 @@ from hf_budgetdraft.attention.ragged_rows import row_by_row_attention
 from hf_budgetdraft.cache.ragged import RaggedCache
 from hf_budgetdraft.cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 from hf_budgetdraft.compat import cache_kwargs
-from hf_budgetdraft.generation import batched as batched_module
-from hf_budgetdraft.generation.batched import MAX_BATCH_SIZE, left_padding
+from hf_budgetdraft.generation import batched_loop as batched_module
+from hf_budgetdraft.generation.batched_loop import MAX_BATCH_SIZE, left_padding
 
 CACHES = {
     "sink_window": {"num_sink_tokens": 4, "window_length": 24},

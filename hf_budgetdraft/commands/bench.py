@@ -12,7 +12,7 @@ from ..eval.bench_args import BenchArguments
 def bench_command(args: BenchArguments) -> int:
     """Exit 0 when every greedy-diff cell is 0, 1 otherwise, 2 when it cannot run."""
     if args.batch_sizes:
-        from ..eval.batched import batched_bench_command
+        from ..eval.batched_bench import batched_bench_command
 
         return batched_bench_command(args)
     from ..eval.bench import run_bench

@@ -168,7 +168,7 @@ class GenerateArguments(LoadFlags, _DecodingFlags, _DraftFlags, _InputFlags):
                 f"--temperature must be > 0, --top_p in (0, 1], --top_k >= 0; got {self.temperature}, "
                 f"{self.top_p}, {self.top_k}"
             )
-        from ..generation.batched import MAX_BATCH_SIZE
+        from ..generation.batched_loop import MAX_BATCH_SIZE
 
         if self.prompt_files:
             self.batch_size = len(self.prompt_files)
@@ -417,7 +417,7 @@ def _report_greedy_diff(target, ids: torch.LongTensor, reference: torch.Tensor, 
 
 def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text."""
-    from ..eval.batched import left_pad, ragged_batch
+    from ..eval.batched_bench import left_pad, ragged_batch
 
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     if args.prompt_files:
@@ -441,7 +441,7 @@ def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[tor
 
 def _generate_batch(args: GenerateArguments, target, drafter, tokenizer) -> int:
     """The batched main job: batched AR on the fast target, then the batched one-liner; per-row greedy diffs."""
-    from ..eval.batched import run_batch
+    from ..eval.batched_bench import run_batch
 
     ids, mask = _batch_ids(args, tokenizer, target.config.vocab_size)
     spec = args.draft_spec()

@@ -11,7 +11,7 @@ faster is it, where does the time go, and how much memory does it save (`hf-budg
 - `bench`: the interleaved grid (`run_bench`); `records`: one record per run;
 - `summary`: the records aggregated per cell, the phase fits; `report`: results.json / results.csv, with
   `report_markdown` (report.md, the terminal summary) and `plots` (the PNGs);
-- `batched`: timed batched calls and the `--batch_sizes` grid.
+- `batched_bench`: timed batched calls and the `--batch_sizes` grid.
 """
 
 from ..corpus import Document, load_documents, stdlib_documents

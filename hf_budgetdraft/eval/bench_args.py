@@ -283,7 +283,7 @@ class BenchArguments(_RunFlags, _GridFlags, _SourceFlags):
     def _check_ranges(self) -> None:
         _bounded("contexts", self.contexts, 16, MAX_CACHE_TOKENS)
         if self.batch_sizes is not None:
-            from ..generation.batched import MAX_BATCH_SIZE
+            from ..generation.batched_loop import MAX_BATCH_SIZE
 
             _bounded("batch_sizes", self.batch_sizes, 1, MAX_BATCH_SIZE)
         _bounded("budgets", self.budgets, 1, MAX_CACHE_TOKENS)

@@ -6,14 +6,14 @@
 - `draft_steps`: the draft's forwards as step objects (prefill, block, one-token: eager, lean, compiled);
 - `draft_length`: how many tokens a round drafts (fixed, transformers' heuristic, adaptive);
 - `acceptance`: greedy and speculative-sampling acceptance of a round's drafts;
-- `batched`: the ragged batched loop (every row advances by its own accepted count);
+- `batched_loop`: the ragged batched loop (every row advances by its own accepted count);
 - `windowed_mtp`, `dflash`: the model's own MTP head / the DFlash block drafter on a sink + window cache;
 - `mtp_heads`: building, exposing and saving an MTP head;
 - `stats`: `record_speculation()`, per-round acceptance and cost of any speculative `generate()` call.
 """
 
 from .acceptance import greedy_accept, speculative_accept
-from .batched import run_batched, run_sparse_batch
+from .batched_loop import run_batched, run_sparse_batch
 from .candidate_generator import SparseDraftCandidateGenerator
 from .compiled_step import draft_step_compile_config
 from .dflash import windowed_dflash_cache

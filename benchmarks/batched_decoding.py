@@ -1,11 +1,11 @@
 """Batched speculative decoding on the bundled pair: throughput against batched AR and a full-cache draft.
 
-    python benchmarks/batched.py --threads 2
+    python benchmarks/batched_decoding.py --threads 2
 
 Held-out text: the licence texts Debian ships in /usr/share/common-licenses (outside the corpus: no bundled model
 saw them) followed by the bundled held-out play (King John); row i of a batch is a passage at an offset spread over
 that stream, its length drawn from [7/8, 1] of the context (ragged, left-padded). Per cell, every method runs on
-the same batch, back to back, in an order that rotates with the repeat (`hf_budgetdraft.eval.batched`):
+the same batch, back to back, in an order that rotates with the repeat (`hf_budgetdraft.eval.batched_bench`):
 
 - `ar`: batched AR on the fast target (`budgetdraft_sdpa` + `GrowableCache`);
 - `speculative`: `target.generate(batch, attention_mask=mask, assistant_model=drafter,
@@ -31,7 +31,7 @@ import torch
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
-from hf_budgetdraft.eval.batched import BATCH_METHODS, batched_grid, grid_markdown, summarise_grid
+from hf_budgetdraft.eval.batched_bench import BATCH_METHODS, batched_grid, grid_markdown, summarise_grid
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -27,7 +27,7 @@ from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
 from ..compat import cache_kwargs, output_cache
 from ..cpu import few_row_linears
-from ..generation.batched import full_draft_cache
+from ..generation.batched_loop import full_draft_cache
 from ..generation.stats import SpeculationStats, record_speculation
 from ..timing import ChunkTimer as _TimingStreamer
 
