@@ -275,6 +275,8 @@ def oneliner_costs(target, drafter, prompt, sizes: dict, measured: dict) -> dict
                 plans[name] = describe_plan(result.stats.plan)
     seconds = {name: statistics.median(values) for name, values in per_token.items()}
     fixed_round = seconds["oneliner_fixed"] * rounds["oneliner_fixed"]
+    used = draft_step_used(plans.get("oneliner_fixed"), measured["draft_step_s"])
+    fixed_round_device = measured["verify_s"][gamma] + gamma * used
     return {
         "context": prompt.shape[1],
         "new_tokens": new,
@@ -285,6 +287,8 @@ def oneliner_costs(target, drafter, prompt, sizes: dict, measured: dict) -> dict
         "ar_host_s_per_token": seconds["ar_stock"] - measured["step_stock_s"],
         "fixed_gamma": gamma,
         "fixed_round_s": fixed_round,
+        "fixed_round_device_s": fixed_round_device,
+        "host_s_per_round": fixed_round - fixed_round_device,
         "default_over_plain": seconds["ar_stock"] / seconds["oneliner_default"],
     }
 
@@ -383,23 +387,19 @@ def cost_curves(report, device: torch.device, sizes: dict, smoke: bool) -> dict:
 
 def oneliner_part(report, target, drafter, prompt, sizes: dict, costs: dict) -> dict:
     try:
-        plan_probe = oneliner_costs(target, drafter, prompt, sizes, costs)
+        oneliner = oneliner_costs(target, drafter, prompt, sizes, costs)
     except Exception as error:
         report.check("cost_curves.oneliner.ran", False, repr(error))
         return {"error": f"{error!r}\n{traceback.format_exc()}"}
-    used = draft_step_used(plan_probe["plans"].get("oneliner_fixed"), costs["draft_step_s"])
-    gamma = plan_probe["fixed_gamma"]
-    plan_probe["fixed_round_device_s"] = costs["verify_s"][gamma] + gamma * used
-    plan_probe["host_s_per_round"] = plan_probe["fixed_round_s"] - plan_probe["fixed_round_device_s"]
     gamma_spec = DraftSpec(draft_length=sizes["gamma"])
-    plan_probe["synchronisations"] = {
+    oneliner["synchronisations"] = {
         "plain_generate": synchronisations(target, prompt, sizes),
         "oneliner_fixed": synchronisations(target, prompt, sizes, assistant_model=drafter, spec=gamma_spec),
     }
     print(
-        f"  one-liner at {prompt.shape[1]}: plain {1e3 * plan_probe['decode_s_per_token']['ar_stock']:.2f} ms/token, "
-        f"default one-liner {plan_probe['default_over_plain']:.2f}x plain, host a round "
-        f"{1e3 * plan_probe['host_s_per_round']:.2f} ms (estimate)",
+        f"  one-liner at {prompt.shape[1]}: plain {1e3 * oneliner['decode_s_per_token']['ar_stock']:.2f} ms/token, "
+        f"default one-liner {oneliner['default_over_plain']:.2f}x plain, host a round "
+        f"{1e3 * oneliner['host_s_per_round']:.2f} ms (estimate)",
         flush=True,
     )
-    return plan_probe
+    return oneliner

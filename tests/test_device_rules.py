@@ -137,3 +137,23 @@ def test_the_draft_cache_length_is_kept_on_the_host(monkeypatch, cache, cache_co
             cache_config={"compile": False, **cache_config},
         )
     assert torch.equal(out, expected) and len(checked) > 3 and max(checked) > 150
+
+
+def test_each_reason_names_what_decided_the_choice():
+    from transformers import GenerationConfig
+
+    from hf_budgetdraft.generation.plan import DraftSpec, resolve_plan
+
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    asked = plan_for(target, drafter, cache_config={"lean_step": False, "prefill_window": None})
+    assert asked.spec.lean_step is False and asked.reasons["lean_step"] == "cache_config"
+    assert asked.spec.prefill_window is None and asked.reasons["prefill_window"] == "cache_config"
+    call = GenerationConfig()
+    call.update(**call._get_default_generation_params(), defaults_only=True)
+    batch = resolve_plan(DraftSpec(), None, target, drafter, call, batched=True)
+    assert batch.spec.lean_step is False and batch.spec.prefill_window is None
+    assert (
+        batch.reasons["lean_step"]
+        == batch.reasons["prefill_window"]
+        == "a batch drafts on ragged per-row caches"
+    )

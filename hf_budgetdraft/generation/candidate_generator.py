@@ -87,7 +87,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         cache = self.assistant_kwargs.get(CACHE_KWARG)
         if cache is None:
             return False
-        seen = self.seen_tokens if self.seen_tokens is not None else int(cache.get_seq_length())
+        seen = self._cached_tokens()
         excess = seen - (input_ids.shape[-1] - 1)
         if excess >= 0:
             cache.crop(-excess)
@@ -97,6 +97,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             self.assistant_kwargs, input_ids.shape[-1], self.assistant_model.config.is_encoder_decoder
         )
         return True
+
+    def _cached_tokens(self) -> int:
+        """Tokens the draft cache holds: the host count, or (when unknown) the cache's own, a device read."""
+        return self.seen_tokens if self.seen_tokens is not None else int(self.draft_cache.get_seq_length())
 
     def _generate_candidates(self, generation_args: dict):
         if generation_args[self.input_ids_key].shape[0] != 1:  # batches keep the nested assistant generate()
@@ -128,8 +132,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         padded = mask is not None and not bool(mask.all())
         # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled
         # step would see as a new input layout
-        seen = self.seen_tokens if self.seen_tokens is not None else int(self.draft_cache.get_seq_length())
-        feed = ids[:, seen:].clone(memory_format=torch.contiguous_format)
+        feed = ids[:, self._cached_tokens() :].clone(memory_format=torch.contiguous_format)
         scores = []
         for step in range(max_new):
             if mask is not None:

@@ -393,6 +393,23 @@ def _lean_step(asked: bool | str, static: bool, drafter, rules: DeviceRules) -> 
     return problem is None, problem
 
 
+def _asked_or(value, batched: bool, rule: str) -> str:
+    """The reason of a choice: the caller's setting, a batch's ragged caches, or the device rule."""
+    if batched:
+        return "a batch drafts on ragged per-row caches"
+    return "cache_config" if value != AUTO else rule
+
+
+def _window_choice(spec: DraftSpec, drafter, batched: bool, rules: DeviceRules) -> tuple[int | None, str]:
+    """`(prefill window, why)`: `"auto"` windows where the drafter allows it, on a device whose rules allow it."""
+    window = spec.resolved_prefill_window(drafter.config, batched)
+    if spec.prefill_window != AUTO or batched:
+        return window, _asked_or(spec.prefill_window, batched, "")
+    if window is None:
+        return None, "the drafter's layers or its policy's prefill queries need a full prefill"
+    return (window if rules.prefill_window else None), rules.reasons["prefill_window"]
+
+
 def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
     can_be_static = supports_static_cache(drafter)
     if spec.static != AUTO:
@@ -442,10 +459,7 @@ def resolve_plan(
     several rows, whose draft caches are the ragged ones: never static, lean or compiled), from the rules of the
     drafter's device (`device_rules.py`); `DraftPlan.reasons` says why each choice came out as it did."""
     rules = device_rules(drafter.device, drafter.dtype)
-    window = spec.resolved_prefill_window(drafter.config, batched)
-    window_reason = "cache_config" if spec.prefill_window != AUTO else rules.reasons["prefill_window"]
-    if spec.prefill_window == AUTO and not rules.prefill_window:
-        window = None
+    window, window_reason = _window_choice(spec, drafter, batched, rules)
     spec = spec.replace(prefill_window=window)
     if batched:
         if True in (spec.static, spec.lean_step, spec.compile):
@@ -475,8 +489,7 @@ def resolve_plan(
         device_type=rules.device_type,
         reasons={
             "static": static_reason,
-            "lean_step": lean_problem
-            or ("cache_config" if spec.lean_step is True else rules.reasons["lean_step"]),
+            "lean_step": lean_problem or _asked_or(spec.lean_step, batched, rules.reasons["lean_step"]),
             "compile": compile_reason,
             "prefill_window": window_reason,
             "target_linear": target_rules.reasons["few_row_linear"]

@@ -138,19 +138,13 @@ class RunRequest:
         return request
 
 
+# the request's plain text fields (`upload`, a path or None, is coerced apart)
+_STRINGS = tuple(f.name for f in dataclasses.fields(RunRequest) if f.type == "str")
+
+
 def _coerced(values: dict) -> dict:
     """`values` with strings as strings and every `_NUMBERS` field as its type (an integral float is an int)."""
-    for name in (
-        "model",
-        "target_path",
-        "drafter_path",
-        "device",
-        "dtype",
-        "source",
-        "text",
-        "method",
-        "policy",
-    ):
+    for name in _STRINGS:
         values[name] = "" if values[name] is None else str(values[name])
     values["upload"] = str(values["upload"]) if values["upload"] else None
     values["sampling"] = bool(values["sampling"])

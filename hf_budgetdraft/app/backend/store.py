@@ -136,9 +136,10 @@ def _load_model(folder: Path, role: str, flags: LoadFlags):
     except Exception as error:  # noqa: BLE001 - transformers raises many types; the visitor gets one message
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         remote = (
-            "" if flags.trust_remote_code else " Models that need trust_remote_code load only on a server "
+            ""
+            if flags.trust_remote_code
+            else " Models that need trust_remote_code load only on a server started with --trust_remote_code."
         )
-        remote += "" if flags.trust_remote_code else "started with --trust_remote_code."
         raise DemoInputError(
             f"could not load the {role} from {str(folder)!r} as a causal LM ({type(error).__name__}: "
             f"{first_line}).{remote}"
