@@ -15,10 +15,10 @@ from hf_budgetdraft.eval import bench
 from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, run_bench
 from hf_budgetdraft.eval.bench_models import bundled_tokenizer
 from hf_budgetdraft.eval.plots import PLOTS
+from hf_budgetdraft.eval.random_models import smoke_pair
 from hf_budgetdraft.eval.report import REQUIRED_FIELDS
 from hf_budgetdraft.eval.runners import MethodSpec, run_ar, sparse_cache_config
 from hf_budgetdraft.eval.summary import round_budget_rows
-from hf_budgetdraft.random_models import smoke_pair
 
 EXTRA_FIELDS = (
     "target_cache_bytes",

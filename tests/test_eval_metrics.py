@@ -156,7 +156,7 @@ def test_noise_envelope_rows():
 
 
 def test_divergence_margin_is_the_targets_logit_gap():
-    from hf_budgetdraft.random_models import smoke_pair
+    from hf_budgetdraft.eval.random_models import smoke_pair
 
     target, _ = smoke_pair(max_position_embeddings=128)
     prompt = torch.randint(0, 2048, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from hf_budgetdraft.corpus import Document, load_documents, stdlib_documents
+from hf_budgetdraft.demo.corpus import Document, load_documents, stdlib_documents
 from hf_budgetdraft.eval.bench_models import TOKENIZER_DIR
 from hf_budgetdraft.eval.tasks import (
     build_sample,

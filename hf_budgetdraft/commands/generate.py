@@ -1,7 +1,7 @@
 """`hf-budgetdraft generate`: speculative generation with a sparse draft cache, checked token for token against
 the target's own greedy output and timed against two plain-AR baselines (the target as loaded, and the package's
-fast AR) with `hf_budgetdraft.timing.timed_generate`. Several prompts (`--prompt_files`, `--batch_size`) run as one
-left-padded batch: batched AR, then the batched one-liner, per-row greedy diffs."""
+fast AR) with `hf_budgetdraft.eval.timing.timed_generate`. Several prompts (`--prompt_files`, `--batch_size`) run
+as one left-padded batch: batched AR, then the batched one-liner, per-row greedy diffs."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from transformers import TextStreamer
 from ..cache.base import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
 from ..eval.greedy_diff import divergence_margin, tie_tolerance, token_diff
+from ..eval.random_models import random_pair
+from ..eval.timing import RunResult, ar_setup, configure_drafter, timed_generate
 from ..generation.plan import DraftSpec
 from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
-from ..random_models import random_pair
-from ..timing import RunResult, ar_setup, configure_drafter, timed_generate
 
 FULL_CACHE_GAMMA = 5  # --cache full: stock assisted generation drafts this many tokens a round
 # a greedy divergence is a near-tie when the target's own top-2 gap is within this many units in the last place of

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..eval.random_models import random_pair
 from ..loading import LoadFlags, load_model, load_tokenizer, revision_field, trust_remote_code_field
-from ..random_models import random_pair
 from ..trainer.config import BudgetDraftConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..corpus import Document, load_documents, stdlib_documents
+from .corpus import Document, load_documents, stdlib_documents
 
 DEMO_TEXT = Path(__file__).resolve().parent / "king_john.txt"  # bundled: a play of the held-out split
 # the held-out split written by scripts/prepare_corpus.py (not in the wheel): in the working directory, then in

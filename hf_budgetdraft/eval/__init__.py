@@ -4,7 +4,7 @@ faster is it, where does the time go, and how much memory does it save (`hf-budg
 - `tasks`: seeded prompts — long-document continuation, code completion, passkey at a depth, a needle just outside
   a draft's window;
 - `runners`: one runner per method (AR, native assisted, sink_window, budgeted, prompt lookup, native / windowed
-  MTP), each one `hf_budgetdraft.timing.timed_generate` call;
+  MTP), each one `hf_budgetdraft.eval.timing.timed_generate` call;
 - `greedy_diff`: differing tokens vs the target's own greedy output and the noise envelope;
 - `metrics`: Wilson and bootstrap intervals, the least-squares cost model;
 - `bench_args`: `BenchArguments`, the flags and presets; `bench_models`: the models and corpus per preset;
@@ -14,8 +14,7 @@ faster is it, where does the time go, and how much memory does it save (`hf-budg
 - `batched_bench`: timed batched calls and the `--batch_sizes` grid.
 """
 
-from ..corpus import Document, load_documents, stdlib_documents
-from ..timing import RunResult
+from ..demo.corpus import Document, load_documents, stdlib_documents
 from .bench import BenchResult, run_bench
 from .bench_args import BenchArguments
 from .bench_models import BenchModels
@@ -39,6 +38,7 @@ from .tasks import (
     needle_outside_window_sample,
     passkey_sample,
 )
+from .timing import RunResult
 
 __all__ = [
     "TASKS",

@@ -29,7 +29,7 @@ from ..compat import cache_kwargs, output_cache
 from ..cpu import few_row_linears
 from ..generation.batched_loop import full_draft_cache
 from ..generation.stats import SpeculationStats, record_speculation
-from ..timing import ChunkTimer as _TimingStreamer
+from .timing import ChunkTimer as _TimingStreamer
 
 BATCH_METHODS = ("ar", "loop_ar", "speculative", "full_draft")
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..attention.varlen import NAME as VARLEN_NAME
-from ..corpus import Document, load_documents, load_hub_documents, stdlib_documents
+from ..demo.corpus import Document, load_documents, load_hub_documents, stdlib_documents
 from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
 from .bench_args import MAX_GAMMA, BenchArguments
 
@@ -39,7 +39,7 @@ def bundled_tokenizer():
 
 def smoke_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     """The smoke preset's tiny pair (+ a tiny MTP model saved under `mtp_dir` when MTP is benchmarked)."""
-    from ..random_models import smoke_mtp_model, smoke_pair
+    from .random_models import smoke_mtp_model, smoke_pair
 
     positions = max(args.contexts) + args.new_tokens + MAX_GAMMA + 8
     target, drafter = smoke_pair(seed=args.seed, max_position_embeddings=positions)

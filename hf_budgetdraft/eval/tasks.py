@@ -11,7 +11,7 @@ Every builder returns a prompt of exactly `context_length` tokens and is determi
 - `needle_outside_window_sample`: the same needle placed *just outside* a draft's sink + window and not in its
   sink — the case that can break windowed drafting (Windowed-MTP's missing falsifier, arXiv 2607.21535).
 
-The corpora they read are lists of `hf_budgetdraft.corpus.Document`s.
+The corpora they read are lists of `hf_budgetdraft.demo.corpus.Document`s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..corpus import Document
+from ..demo.corpus import Document
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "

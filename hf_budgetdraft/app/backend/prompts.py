@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...corpus import Document
+from ...demo.corpus import Document
 from ...demo.documents import demo_documents
 from ...eval.tasks import build_sample
 from ..config import AppArguments

@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from ... import demo as demo_package
 from ...demo.models import DEMO_DIR
+from ...eval.random_models import smoke_mtp_model, smoke_pair
 from ...generation.mtp_heads import expose_mtp_layers
 from ...loading import LoadFlags, load_model
 from ...quiet import quiet_transformers
-from ...random_models import smoke_mtp_model, smoke_pair
 from ..config import AppArguments
 from .request import (
     DRAFTER_METHODS,

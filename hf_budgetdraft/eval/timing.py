@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .attention.fast_sdpa import NAME as FAST_SDPA
-from .attention.scoped import using_attention
-from .cache.base import cache_nbytes
-from .cache.growable import GrowableCache
-from .compat import CACHE_KWARG, output_cache
-from .cpu import few_row_linears
-from .generation.compiled_step import draft_step_compile_config
-from .generation.plan import DraftSpec
-from .generation.stats import SpeculationStats, record_speculation
+from ..attention.fast_sdpa import NAME as FAST_SDPA
+from ..attention.scoped import using_attention
+from ..cache.base import cache_nbytes
+from ..cache.growable import GrowableCache
+from ..compat import CACHE_KWARG, output_cache
+from ..cpu import few_row_linears
+from ..generation.compiled_step import draft_step_compile_config
+from ..generation.plan import DraftSpec
+from ..generation.stats import SpeculationStats, record_speculation
 
 # plain-AR baselines besides the target as loaded (see `ar_setup`)
 AR_SETUPS = ("stock", "growable", "fast")

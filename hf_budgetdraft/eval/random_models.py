@@ -124,7 +124,7 @@ def smoke_mtp_model(
     """
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from .generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
+    from ..generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 
     if not 1 <= num_mtp_layers <= 8:
         raise ValueError(f"num_mtp_layers must be in [1, 8], got {num_mtp_layers}")
