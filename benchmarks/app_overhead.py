@@ -71,7 +71,7 @@ def browser_run(page, context_length: int, new_tokens: int) -> None:
 def direct_rates(store, args) -> dict:
     pair = store.get("demo")
     request = RunRequest(model="demo", context_length=args.context_length, max_new_tokens=args.new_tokens)
-    ids = build_prompt(request.check(store.limits), pair, store.limits).input_ids
+    ids = build_prompt(request.check(store.limits), pair, store.limits, store.builtin_documents).input_ids
     ar = timed_generate(pair.target, ids, args.new_tokens)
     spec = timed_generate(pair.target, ids, args.new_tokens, assistant_model=pair.drafter, spec=DraftSpec())
     return {"ar": ar.decode_tokens_per_second, "speculative": spec.decode_tokens_per_second}

@@ -3,12 +3,13 @@ rent before they buy, when its compilation pays (`compile_pays`).
 
 On CPU a compilation costs seconds to tens of seconds and a step saves a fraction of a millisecond, so `"auto"`
 compiles once this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager static
-draft steps of that drafter (ski rental), and reuses a step compiled earlier in the process at once.
+draft steps of that drafter (ski rental), and reuses a step compiled earlier in the process at once. The drafter
+holds its own rent (`EagerStepRent`): a drafter that is dropped takes it along, a copy starts from nothing.
 """
 
 from __future__ import annotations
 
-import weakref
+import threading
 
 import torch
 from transformers import CompileConfig
@@ -16,8 +17,28 @@ from transformers import CompileConfig
 COMPILE_SECONDS_ESTIMATE = 45.0  # a cold inductor compilation of a small drafter's step on CPU
 # share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step
 COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.2}
-# eager static-step seconds per drafter in this process (weak keys: a drafter that is dropped is forgotten)
-_eager_step_seconds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+RENT_ATTRIBUTE = "_budgetdraft_eager_step_rent"  # where a drafter holds its `EagerStepRent`
+
+
+class EagerStepRent:
+    """The eager static draft-step seconds one drafter has spent in this process; calls on several threads add to
+    it under its lock. A copied or pickled drafter starts a rent of its own."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.seconds += seconds
+
+    def __reduce__(self):
+        return (EagerStepRent, ())
+
+
+def eager_step_rent(drafter) -> EagerStepRent:
+    """`drafter`'s rent, created on first use (`dict.setdefault`: one rent even when threads race to create it)."""
+    return vars(drafter).setdefault(RENT_ATTRIBUTE, EagerStepRent())
 
 
 def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
@@ -41,7 +62,7 @@ def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
 
 def record_eager_steps(drafter, seconds: float) -> None:
     """Add eager static draft-step time spent by `drafter` in this process (the rent of the ski rental)."""
-    _eager_step_seconds[drafter] = _eager_step_seconds.get(drafter, 0.0) + seconds
+    eager_step_rent(drafter).add(seconds)
 
 
 def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> bool:
@@ -53,4 +74,4 @@ def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> 
     ):
         return True
     saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
-    return _eager_step_seconds.get(drafter, 0.0) * saving >= COMPILE_SECONDS_ESTIMATE
+    return eager_step_rent(drafter).seconds * saving >= COMPILE_SECONDS_ESTIMATE

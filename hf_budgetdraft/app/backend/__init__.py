@@ -19,7 +19,7 @@ numbers from `record_speculation()` and `cache_nbytes`, and the losslessness che
 from .columns import IncrementalDecoder, SideView, chunk_origins, token_origins
 from .compare import Snapshot, compare
 from .methods import decoding_kwargs, draft_spec, method_title, require_method, speculative_call
-from .prompts import Prompt, build_prompt, builtin_documents, read_upload
+from .prompts import Prompt, build_prompt, read_upload
 from .request import (
     DEFAULT_MODEL,
     DEFAULT_SPEC,
@@ -70,7 +70,6 @@ __all__ = [
     "SideView",
     "Snapshot",
     "build_prompt",
-    "builtin_documents",
     "check_compatible",
     "check_model_folder",
     "chunk_origins",

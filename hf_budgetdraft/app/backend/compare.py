@@ -65,7 +65,7 @@ def compare(
             request.model, request.target_path, request.drafter_path, request.device, request.dtype
         )
         require_method(request, pair)
-        prompt = build_prompt(request, pair, limits)
+        prompt = build_prompt(request, pair, limits, store.builtin_documents)
         decoding = decoding_kwargs(request, pair.tokenizer)
         spec_kwargs, gamma = speculative_call(request, pair) if request.method != "ar" else ({}, 0)
     except DemoInputError as error:

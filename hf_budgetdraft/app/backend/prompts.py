@@ -3,14 +3,13 @@ visitor's pasted or uploaded text, cut to the requested context length."""
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ...demo.corpus import Document
-from ...demo.documents import demo_documents
 from ...eval.tasks import build_sample
 from ..config import AppArguments
 from .request import SOURCE_LABELS, UPLOAD_SUFFIXES, DemoInputError, RunRequest
@@ -24,19 +23,6 @@ class Prompt:
     input_ids: torch.LongTensor
     description: str
     preview: str
-
-
-_documents: tuple[list[Document], str] | None = None
-_documents_lock = threading.Lock()
-
-
-def builtin_documents() -> tuple[list[Document], str]:
-    """The built-in corpus and its name (`hf_budgetdraft.demo.documents.demo_documents`), read once."""
-    global _documents
-    with _documents_lock:
-        if _documents is None:
-            _documents = demo_documents()
-        return _documents
 
 
 def read_upload(path: str, limits: AppArguments) -> str:
@@ -67,12 +53,19 @@ def read_upload(path: str, limits: AppArguments) -> str:
     return text
 
 
-def build_prompt(request: RunRequest, pair: ModelPair, limits: AppArguments) -> Prompt:
-    """The prompt of `request` (a built-in task through `eval.tasks.build_sample`, or the visitor's text)."""
+def build_prompt(
+    request: RunRequest,
+    pair: ModelPair,
+    limits: AppArguments,
+    documents: Callable[[], tuple[list[Document], str]],
+) -> Prompt:
+    """The prompt of `request` (a built-in task through `eval.tasks.build_sample`, or the visitor's text).
+    `documents` returns the built-in corpus and its name (`ModelStore.builtin_documents`); only the document and
+    code tasks call it."""
     if request.source == "text":
         ids, description = _text_prompt(request, pair.tokenizer, limits)
     else:
-        ids, description = _task_prompt(request, pair.tokenizer)
+        ids, description = _task_prompt(request, pair.tokenizer, documents)
     preview = pair.tokenizer.decode(ids[0, -200:].tolist())
     return Prompt(ids, f"{description} — {ids.shape[1]} prompt tokens", preview)
 
@@ -89,14 +82,16 @@ def _text_prompt(request: RunRequest, tokenizer, limits: AppArguments) -> tuple[
     return ids, f"{origin}: last {ids.shape[1]} tokens{note}"
 
 
-def _task_prompt(request: RunRequest, tokenizer) -> tuple[torch.LongTensor, str]:
+def _task_prompt(
+    request: RunRequest, tokenizer, documents: Callable[[], tuple[list[Document], str]]
+) -> tuple[torch.LongTensor, str]:
     """A built-in task's prompt, and which documents (or where the passkey) it holds."""
-    documents, corpus = builtin_documents() if request.source in ("document", "code") else (None, "")
+    corpus_documents, corpus = documents() if request.source in ("document", "code") else (None, "")
     try:
         sample = build_sample(
             request.source,
             tokenizer,
-            documents,
+            corpus_documents,
             request.context_length,
             request.max_new_tokens,
             seed=request.seed,

@@ -1,5 +1,6 @@
 """The models a visitor can pick, loaded once each: the bundled demo pair, the random smoke models, or local
-model folders (checked before loading: safetensors only, bounded size, a shared tokenizer and vocabulary)."""
+model folders (checked before loading: safetensors only, bounded size, a shared tokenizer and vocabulary); and the
+built-in corpus the document and code tasks read, also loaded once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 from ... import demo as demo_package
+from ...demo.corpus import Document
+from ...demo.documents import demo_documents
 from ...demo.models import DEMO_DIR
 from ...eval.random_models import smoke_mtp_model, smoke_pair
 from ...generation.mtp_heads import expose_mtp_layers
@@ -202,7 +205,8 @@ def check_compatible(tokenizer, target, drafter, drafter_tokenizer=None) -> None
 
 
 class ModelStore:
-    """Loads each model choice once and keeps it (local folders: only the most recent pair, to bound memory).
+    """Loads each model choice once and keeps it (local folders: only the most recent pair, to bound memory), and
+    the built-in corpus (`builtin_documents`).
 
     Args:
         limits (`AppArguments`): sizes the random smoke models and bounds local models.
@@ -213,6 +217,8 @@ class ModelStore:
         self._pairs: dict[str, ModelPair] = {}
         self._lock = threading.Lock()
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._documents: tuple[list[Document], str] | None = None
+        self._documents_lock = threading.Lock()
 
     @property
     def max_positions(self) -> int:
@@ -239,6 +245,13 @@ class ModelStore:
                 with quiet_transformers():
                     self._pairs[key] = self._load(model, target_path, drafter_path, key, flags)
             return self._pairs[key]
+
+    def builtin_documents(self) -> tuple[list[Document], str]:
+        """The built-in corpus and its name (`hf_budgetdraft.demo.documents.demo_documents`), read on first use."""
+        with self._documents_lock:
+            if self._documents is None:
+                self._documents = demo_documents()
+            return self._documents
 
     def _load(self, model: str, target_path: str, drafter_path: str, key: str, flags: LoadFlags) -> ModelPair:
         if model in (MODEL_DEMO, MODEL_DEMO_BASE):

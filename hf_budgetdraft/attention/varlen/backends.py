@@ -1,4 +1,5 @@
-"""Which packed kernel `budgetdraft_varlen` calls: what this process can run, and the process-wide choice.
+"""Which packed kernel `budgetdraft_varlen` calls: what this process can run, and the choice `use_backend` pins
+for the code inside it (a `ContextVar`: other threads and asyncio tasks keep theirs).
 
 - `flash_attn`: `flash_attn_varlen_func` of the `flash-attn` package (FlashAttention-2, Dao, arXiv 2307.08691);
   CUDA, fp16/bf16.
@@ -7,6 +8,9 @@
   CPU fallback, and how the CPU tests run the whole GPU data path).
 - `sdpa`: never pack (the attention function runs `budgetdraft_sdpa`).
 - `auto` (default): flash-attn, else torch varlen, on CUDA fp16/bf16; `budgetdraft_sdpa` elsewhere.
+
+Under `torch.compile` the choice is read once while tracing and kept in the graph (no guard), as
+`attention.scoped.using_attention`'s override is.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import functools
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 
 BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_packed", "sdpa")
 PACKED_BACKENDS = ("flash_attn", "torch_varlen", "sdpa_packed")  # the ones a forced choice packs with
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
-_backend = "auto"
+_PINNED: ContextVar[str] = ContextVar("budgetdraft_varlen_backend", default="auto")
 
 
 @functools.cache
@@ -69,18 +74,22 @@ def use_backend(name: str) -> Iterator[None]:
     `"torch_varlen"`: that kernel (an error where it cannot run). `"sdpa_packed"`: the packed data path with the SDPA
     kernel, on any device (what the CPU tests use). `"sdpa"`: never pack.
     """
-    global _backend
     _check_backend(name)
-    previous, _backend = _backend, name
+    token = _PINNED.set(name)
     try:
         yield
     finally:
-        _backend = previous
+        _PINNED.reset(token)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_backend() -> str:
+    return _PINNED.get()
 
 
 def current_backend() -> str:
-    """The backend `use_backend` pinned (`"auto"` outside any block)."""
-    return _backend
+    """The backend `use_backend` pinned in this context (`"auto"` outside any block)."""
+    return _traced_backend() if torch.compiler.is_compiling() else _PINNED.get()
 
 
 def resolve_backend(name: str, query: torch.Tensor) -> str:
