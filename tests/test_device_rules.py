@@ -1,11 +1,18 @@
 """The plan knows its device: the device rules as pure functions, a plan made for a CUDA drafter, and a CUDA round
 timed without a synchronisation of its own (CUDA faked on this CPU machine)."""
 
+import collections
+import os
+import traceback
+
 import pytest
 import torch
 from test_draft_spec import plan_for
 from tiny_models import model_pair, random_prompt
+from torch.overrides import TorchFunctionMode
+from transformers import CompileConfig
 
+from hf_budgetdraft import record_speculation
 from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.draft_length import FixedDraftLength, RoundClock
 from hf_budgetdraft.generation.draft_length import clock as clock_module
@@ -120,7 +127,7 @@ def test_the_draft_cache_length_is_kept_on_the_host(monkeypatch, cache, cache_co
 
     def checking(self, input_ids, *args, **kwargs):
         result = rollback(self, input_ids, *args, **kwargs)
-        assert self.seen_tokens == int(self.draft_cache.get_seq_length()) <= input_ids.shape[-1] - 1
+        assert self.seen_tokens == _device_length(self.draft_cache) <= input_ids.shape[-1] - 1
         checked.append(self.seen_tokens)
         return result
 
@@ -157,3 +164,119 @@ def test_each_reason_names_what_decided_the_choice():
         == batch.reasons["prefill_window"]
         == "a batch drafts on ragged per-row caches"
     )
+
+
+def _device_length(cache) -> int:
+    """The draft cache's length as its layers hold it: a static layer's device tensor (checked against its host
+    count), else the cache's own count."""
+    static = [layer for layer in cache.layers if torch.is_tensor(getattr(layer, "length", None))]
+    for layer in static:
+        assert layer.known_length in (None, int(layer.length))
+    return int(static[0].length) if static else int(cache.get_seq_length())
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor values read on the host by the package's own code — each one a device synchronisation on
+    CUDA (`int()`, `bool()`, `.item()`, `.tolist()`, `.nonzero()`, ...) — by the file and function that read it."""
+
+    READS = {
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.nonzero,
+        torch.nonzero,
+        torch.Tensor.cpu,
+        torch.equal,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.sites = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            caller = [
+                f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename
+            ][-1]
+            if f"{os.sep}hf_budgetdraft{os.sep}" in caller.filename:
+                self.sites[f"{os.path.basename(caller.filename)}:{caller.name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+CUDA_LIKE = {"static": True, "lean_step": False, "prefill_window": None}  # what a CUDA plan runs, on this CPU
+
+
+@pytest.mark.parametrize("draft_length", [3, None], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize(
+    "cache,sizes",
+    [
+        ("sink_window", {"num_sink_tokens": 4, "window_length": 48}),
+        ("budgeted", {"budget": 48, "window_length": 32}),
+    ],
+    ids=["sink_window", "budgeted"],
+)
+def test_a_round_reads_nothing_from_the_device(cache, sizes, do_sample, draft_length):
+    """On a static draft cache the package's code reads no tensor value on the host in a whole call — crops, blocks,
+    mask sizes, EOS and padding checks included (the prompt outgrows the window, drafts are rejected, EOS is set):
+    on CUDA the only synchronisations left are transformers' own loop's (its acceptance and stopping check)."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(200)
+    cache_config = {**CUDA_LIKE, "compile": False, **sizes}
+    if draft_length is not None:
+        cache_config["draft_length"] = draft_length
+    kwargs = dict(max_new_tokens=40, eos_token_id=5, attention_mask=torch.ones_like(ids), do_sample=do_sample)
+    torch.manual_seed(0)
+    with record_speculation() as stats, HostReads() as reads:
+        out = target.generate(
+            ids, assistant_model=drafter, cache_implementation=cache, cache_config=cache_config, **kwargs
+        )
+    assert stats.rounds > 10 and sum(stats.proposed_per_round) > sum(stats.accepted_per_round)
+    assert not reads.sites, f"host reads of device tensors: {dict(reads.sites)}"
+    if not do_sample:
+        assert torch.equal(out, target.generate(ids, **kwargs))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_round_reads_nothing_from_the_device(fresh_dynamo):
+    """The compiled step cannot count on the host; the draft loop hands the count back before each rollback, so
+    rounds still read nothing (but the first compiled call's one check of whether a failed compilation wrote to the
+    cache)."""
+    from test_static_cache import graph_counter
+
+    target, drafter = model_pair("llama", "budgetdraft_varlen", num_assistant_tokens=None, draft_layers=1)
+    backend, graphs = graph_counter()
+    drafter.generation_config.compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    ids = random_prompt(200)
+    cache_config = {
+        **CUDA_LIKE,
+        "compile": True,
+        "draft_length": 3,
+        "num_sink_tokens": 4,
+        "window_length": 48,
+    }
+    with record_speculation() as stats, HostReads() as reads:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            cache_implementation="sink_window",
+            cache_config=cache_config,
+            do_sample=False,
+            max_new_tokens=40,
+        )
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
+    assert len(graphs) == 1 and stats.rounds > 10
+    first_call_check = {
+        "draft_steps.py:_static_lengths",
+        "draft_steps.py:<listcomp>",
+    }  # (3.12 inlines the latter)
+    assert set(reads.sites) <= first_call_check and sum(reads.sites.values()) == 1, dict(reads.sites)

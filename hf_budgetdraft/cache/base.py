@@ -215,6 +215,13 @@ class SparseDraftCache(Cache):
         super().__init__(layers=layers)
         self.max_draft_tokens = slack
 
+    def note_length(self, length: int) -> None:
+        """The caller's exact count of cached tokens, for static layers whose own count is a device tensor that a
+        compiled step advances: their host-side bookkeeping (crop, blocks, mask sizes) then reads no device tensor."""
+        for layer in self.layers:
+            if isinstance(layer, StaticDraftLayer):
+                layer.note_length(length)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens from every layer (exact within the slack, else raises)."""
         for idx, layer in enumerate(self.layers):

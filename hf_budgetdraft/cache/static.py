@@ -31,6 +31,12 @@ static cache.
 dynamic layers (they read lengths on the host and are not meant to be compiled). `get_mask_sizes` follows the same
 split: `(S + W + slack, 0)` for a step, the dynamic sizes otherwise. `crop(-n)` is exact within the
 slack and raises beyond it, like the dynamic layers.
+
+**No device reads on the host side.** The device tensors serve the (compiled) step; the host keeps its own copy of
+the length (`known_length`) and the ring's bookkeeping (`RingSlots`: ring start, oldest intact position), so a crop,
+a block and the mask sizes never wait for the device. A compiled step cannot update a host count (the graph replays
+without Python); it marks the count unknown, and whoever drove it hands the exact count back (`note_length`, as the
+draft loop does before each rollback) — else the next host-side use reads the device tensor once.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from ..attention.varlen import NAME as VARLEN_NAME
 from ..attention.varlen import STATIC_LAYER_KWARG
 from .policies import KeepPolicy
 from .prefix_selection import PrefixSelection
+from .ring_window import RingSlots
 
 
 def check_static_flag(static, config: PreTrainedConfig) -> None:
@@ -104,8 +111,10 @@ class StaticDraftLayer(CacheLayerMixin):
     def __init__(self, static_capacity: int, window_length: int, slack: int):
         super().__init__()
         self.static_capacity, self.window, self.slack = static_capacity, window_length, slack
-        self.capacity = window_length + slack  # ring slots
+        self.ring = RingSlots(window_length, slack)  # host bookkeeping: ring start, oldest intact position
+        self.capacity = self.ring.capacity  # ring slots
         self.num_slots = static_capacity + self.capacity
+        self.known_length: int | None = 0  # `length` on the host; None after a compiled step (read it once)
         self.length: torch.Tensor | None = None  # () long: logical length L (next position)
         self.ring_start: torch.Tensor | None = None  # () long: first position the ring holds
         self.ring_positions: torch.Tensor | None = (
@@ -140,6 +149,7 @@ class StaticDraftLayer(CacheLayerMixin):
         long = dict(dtype=torch.long, device=key_states.device)
         self.length = torch.zeros((), **long)
         self.ring_start = torch.full((), self._initial_ring_start(), **long)
+        self.ring.restart(self._initial_ring_start())
         self.ring_positions = torch.full((self.capacity,), -1, **long)
         self.num_static = torch.zeros((), **long)
         self._static_slots = torch.arange(self.static_capacity, **long)
@@ -213,26 +223,48 @@ class StaticDraftLayer(CacheLayerMixin):
         held = self.ring_positions.index_select(0, ring_slots)
         self.ring_positions.index_copy_(0, ring_slots, torch.where(in_ring, positions, held))
         self.length.add_(tokens)
+        self._advance_known_length(tokens)
         self._step_tokens = tokens
         self._awaiting_attention = True
         attention_kwargs[STATIC_LAYER_KWARG] = self
         return self.keys, self.values
 
+    def _advance_known_length(self, tokens: int) -> None:
+        if torch.compiler.is_compiling():
+            self.known_length = (
+                None  # the replayed graph cannot count on the host: `note_length` hands it back
+            )
+        elif self.known_length is not None:
+            self.known_length += tokens
+            self.ring.wrote_up_to(self.known_length)
+
+    # -- the host's view ---------------------------------------------------------------------------------------------
+    def note_length(self, length: int) -> None:
+        """The caller's exact count of tokens this layer holds (after a compiled step, whose count stays on the
+        device): host-side bookkeeping then needs no device read."""
+        if self.is_initialized:
+            self.known_length = length
+            self.ring.wrote_up_to(length)
+
+    def _length(self) -> int:
+        """The logical length, from the host count (a device read only if a compiled step left it unknown)."""
+        if not self.is_initialized:
+            return 0
+        if self.known_length is None:
+            self.note_length(int(self.length))
+        return self.known_length
+
     def _ring_index(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions `[first, last)` of the ring and their slots (ring-relative)."""
         positions = torch.arange(first, max(first, last), device=self.ring_positions.device)
-        return positions, (positions - self.ring_start).remainder(self.capacity)
+        return positions, self.ring.slots(first, max(first, last), self.ring_positions.device)
 
     def _window_start(self, length: int) -> int:
-        return max(int(self.ring_start), length - self.window)
+        return self.ring.window_start(length)
 
     def _visible_past(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values a block starting at `length` reads, in the dynamic layer's order: `(B, H, n, D)` each."""
-        positions, slots = self._ring_index(self._window_start(length), length)
-        if not bool((self.ring_positions[slots] == positions).all()):
-            raise RuntimeError(
-                f"static ring lost a position of the window before {length}; this is a bug in the cache bookkeeping"
-            )
+        _, slots = self._ring_index(self.ring.check_window(length), length)
         index = torch.cat(
             [
                 torch.arange(self._num_static_visible(length), device=slots.device),
@@ -244,7 +276,7 @@ class StaticDraftLayer(CacheLayerMixin):
     def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, length: int) -> None:
         """Store tokens at positions `[length, length + q)`: static slots below the ring start, then the ring."""
         new = key_states.shape[-2]
-        into_static = min(max(int(self.ring_start) - length, 0), new)
+        into_static = min(max(self.ring.start - length, 0), new)
         if into_static:
             self.keys[:, :, length : length + into_static] = key_states[:, :, :into_static].detach()
             self.values[:, :, length : length + into_static] = value_states[:, :, :into_static].detach()
@@ -256,12 +288,13 @@ class StaticDraftLayer(CacheLayerMixin):
                 2, slots + self.static_capacity, value_states[:, :, new - keep :].detach()
             )
             self.ring_positions.index_copy_(0, slots, positions)
+        self.ring.wrote_up_to(length + new)
 
     def _update_block(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        length = int(self.length)
+        length = self._length()
         past_keys, past_values = self._visible_past(length)
         self._write(key_states, value_states, length)
-        self.length.fill_(length + key_states.shape[-2])
+        self._set_length(length + key_states.shape[-2])
         if past_keys.shape[-2] == 0:
             return key_states, value_states
         return torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
@@ -269,7 +302,7 @@ class StaticDraftLayer(CacheLayerMixin):
     # -- sizes ---------------------------------------------------------------------------------------------------
     def num_visible_past(self, length: int | None = None) -> int:
         if length is None:
-            length = int(self.length) if self.is_initialized else 0
+            length = self._length()
         if length == 0:
             return 0
         return self._num_static_visible(length) + max(0, length - self._window_start(length))
@@ -277,13 +310,17 @@ class StaticDraftLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self._is_step(query_length):
             return self.num_slots, 0
-        length = int(self.length) if self.is_initialized else 0
+        length = self._length()
         num_past = self.num_visible_past(length)
         return num_past + query_length, length - num_past
 
     def get_seq_length(self) -> torch.Tensor | int:
-        # a tensor, like transformers' StaticLayer: a compiled step reads it without a guard on its value
-        return self.length.clone() if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        if torch.compiler.is_compiling() or self.known_length is None:
+            # a tensor, like transformers' StaticLayer: a compiled step reads it without a guard on its value
+            return self.length.clone()
+        return self.known_length
 
     def get_max_length(self) -> int:
         return -1
@@ -296,18 +333,17 @@ class StaticDraftLayer(CacheLayerMixin):
                 f"crop({tokens_to_remove}): sparse draft caches only take a negative count, crop(-n), "
                 "to remove the last n tokens"
             )
-        length = int(self.length) if self.is_initialized else 0
+        length = self._length()
         new_length = length + tokens_to_remove
         if new_length < 0:
             raise ValueError(f"crop({tokens_to_remove}) removes more than the {length} cached tokens")
-        if self.is_initialized:
-            positions, slots = self._ring_index(self._window_start(new_length), new_length)
-            if not bool((self.ring_positions[slots] == positions).all()):
-                raise ValueError(
-                    f"crop({tokens_to_remove}) needs position {int(positions[0])}, already overwritten in the ring; "
-                    f"rolling back is exact only within the slack ({self.slack} tokens). Create the cache with a "
-                    "larger `slack` (>= the draft length)."
-                )
+        if self.is_initialized and not self.ring.can_roll_back_to(new_length):
+            raise ValueError(
+                f"crop({tokens_to_remove}) needs position {self.ring.window_start(new_length)}, already overwritten "
+                f"in the ring (oldest kept: {self.ring.valid_from}); "
+                f"rolling back is exact only within the slack ({self.slack} tokens). Create the cache with a "
+                "larger `slack` (>= the draft length)."
+            )
         return new_length
 
     def crop(self, tokens_to_remove) -> None:
@@ -315,9 +351,9 @@ class StaticDraftLayer(CacheLayerMixin):
 
     def _set_length(self, length: int) -> None:
         if self.is_initialized:
-            self.length.fill_(
-                length
-            )  # tokens past it stay in their slots, hidden by `pos <= p` until rewritten
+            # tokens past it stay in their slots, hidden by `pos <= p` until rewritten
+            self.length.fill_(length)
+            self.known_length = length
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -327,6 +363,8 @@ class StaticDraftLayer(CacheLayerMixin):
             self.ring_start.fill_(self._initial_ring_start())
             self.ring_positions.fill_(-1)
             self.num_static.zero_()
+        self.ring.restart(self._initial_ring_start())
+        self.known_length = 0
         self._awaiting_attention = False
 
     def nbytes(self) -> int:
@@ -364,16 +402,16 @@ class StaticSinkWindowLayer(StaticDraftLayer):
 
     def skip(self, count: int) -> None:
         """`SinkWindowLayer.skip`: advance over `count` positions never stored; the ring restarts after them."""
-        length = int(self.length) if self.is_initialized else 0
+        length = self._length()
         check_skip(count, length, self.num_sink_tokens)
-        self.length.fill_(length + count)
+        self._set_length(length + count)
         self.ring_start.fill_(length + count)
+        self.ring.restart(length + count)
         self.ring_positions.fill_(-1)
         self.skipped_to = length + count
 
     def crop(self, tokens_to_remove) -> None:
-        length = int(self.length) if self.is_initialized else 0
-        check_crop_after_skip(tokens_to_remove, length, self.skipped_to)
+        check_crop_after_skip(tokens_to_remove, self._length(), self.skipped_to)
         super().crop(tokens_to_remove)
 
     def reset(self) -> None:
@@ -421,8 +459,9 @@ class StaticBudgetedLayer(PrefixSelection, StaticDraftLayer):
 
     def _start_after_prefill(self, length: int) -> None:
         self.prefilled = True
-        self.length.fill_(length)
+        self._set_length(length)
         self.ring_start.fill_(length)
+        self.ring.restart(length)
 
     def _store_selection(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.num_static.fill_(keys.shape[-2])

@@ -54,6 +54,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         # tokens the draft cache holds, kept on the host: a static cache's own count is a device tensor, and
         # reading it would cost a device synchronisation twice a round (None: unknown, read the cache)
         self.seen_tokens: int | None = 0
+        self._padded: bool | None = None  # whether the call's attention mask pads the row (read once)
 
     @property
     def draft_prefill_seconds(self) -> float:
@@ -88,6 +89,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         if cache is None:
             return False
         seen = self._cached_tokens()
+        if self.seen_tokens is not None:
+            self.draft_cache.note_length(
+                seen
+            )  # a static cache then crops without reading its device-side count
         excess = seen - (input_ids.shape[-1] - 1)
         if excess >= 0:
             cache.crop(-excess)
@@ -116,8 +121,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         Greedy: the argmax of the processed logits. Sampling: a token drawn from the processed distribution (the
         call's temperature / top-k / top-p processors), whose logits are returned for the acceptance test
         (Leviathan et al., arXiv 2211.17192, Algorithm 1). EOS is suppressed for the first `min_new_tokens`; a
-        round stops after EOS or below the plan's confidence threshold. Each forward runs the call's step for
-        its kind (`DraftSteps`: the prefill, a block, a one-token step, a padded row).
+        round stops early only below the plan's confidence threshold. A draft may run past an EOS: transformers'
+        loop cuts the accepted tokens at the first EOS, so stopping there would only save the last round a few
+        steps, for a device read every step of every round. Each forward runs the call's step for its kind
+        (`DraftSteps`: the prefill, a block, a one-token step, a padded row).
 
         Returns `(candidate_ids (1, L + n), candidate_logits (1, n, V))`, `1 <= n <= max_new_tokens`.
         """
@@ -129,7 +136,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=ids.device)
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
-        padded = mask is not None and not bool(mask.all())
+        if (
+            self._padded is None
+        ):  # the mask only grows by ones: whether it pads is known after the first round
+            self._padded = mask is not None and not bool(mask.all())
         # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled
         # step would see as a new input layout
         feed = ids[:, self._cached_tokens() :].clone(memory_format=torch.contiguous_format)
@@ -137,7 +147,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         for step in range(max_new):
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(1, ids.shape[1] - mask.shape[1])], dim=-1)
-            logits = self.steps(feed, ids.shape[1] - feed.shape[1], mask if padded else None)  # (1, V)
+            logits = self.steps(feed, ids.shape[1] - feed.shape[1], mask if self._padded else None)  # (1, V)
             if self.seen_tokens is not None:
                 self.seen_tokens = ids.shape[1]
             # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list
@@ -149,9 +159,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             token = torch.multinomial(probs, 1) if sample else logits.argmax(-1, keepdim=True)  # (1, 1)
             scores.append(logits)
             ids, feed = torch.cat([ids, token], dim=-1), token
-            if eos.numel() and bool(torch.isin(token, eos).any()):
-                break
-            if threshold and probs[0, token[0, 0]] < threshold:
+            if threshold and float(probs.gather(-1, token)) < threshold:  # a device read a step
                 break
         if mask is not None:
             self.assistant_kwargs["attention_mask"] = mask
