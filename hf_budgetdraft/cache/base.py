@@ -136,8 +136,7 @@ class SparseDraftLayer(CacheLayerMixin):
         self._set_length(self._check_crop(tokens_to_remove))
 
     def _set_length(self, length: int) -> None:
-        if length <= self.ring.start:  # everything in the ring is now in the future: forget it
-            self.ring.restart(self.ring.start)
+        self.ring.rolled_back_to(length)
         self.cumulative_length = length
 
     def reset(self) -> None:

@@ -1,17 +1,12 @@
 """The sparse draft caches for a batch: `[static | ring]` slot buffers with one length per row.
 
-The layout of the static draft layers (`static.py`), with per-row bookkeeping: every full-attention layer holds
-`(B, H_kv, S + W + slack, D)` = `[S static slots | W + slack ring slots]`. Static slots hold the sink (Windowed-MTP,
-arXiv 2607.21535: positions `[0, S)`) or the kept prefix (BudgetDraft, arXiv 2606.00144, §3.1: at most `budget`
-positions per KV head chosen per row by a `KeepPolicy` after that row's prefill); position `p` of row b past them
-lives in ring slot `S + (p - ring_start_b) mod (W + slack)`. The cache tracks the position each slot holds (the same
-for every layer), so one mask serves all layers: a query at position `p` of row b reads
-
-    static slot:  filled and pos <= p
-    ring slot:    max(ring_start_b, L_b - W) <= pos <= p     (L_b = the row's length before the forward)
-
-— the single-sequence layers' `[static, window, new]` keys. A forward writes at most `slack` tokens per row, so
-rolling a row back by what it wrote (`crop_rows`) never needs an overwritten slot; `crop_rows` checks it.
+The slot layout of the static draft layers (`slot_layout.py`) with one ring start and length per row: every
+full-attention layer holds `(B, H_kv, S + W + slack, D)`. Static slots hold the sink (Windowed-MTP, arXiv
+2607.21535: positions `[0, S)`) or the kept prefix (BudgetDraft, arXiv 2606.00144, §3.1: at most `budget` positions
+per KV head chosen per row by a `KeepPolicy` after that row's prefill). The cache tracks the position each slot
+holds (the same for every layer), so one mask serves all layers: the single-sequence layers' `[static, window,
+new]` keys of each row. A forward writes at most `slack` tokens per row, so rolling a row back by what it wrote
+(`crop_rows`) never needs an overwritten slot; `crop_rows` checks it.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from ..attention.query_capture import cancel_request, request_queries
 from .base import check_size
 from .policies import KeepPolicy, get_policy
 from .ragged import RaggedCache, RaggedLayer, RaggedStep
+from .slot_layout import SlotLayout
 
 
 class RaggedSlotLayer(RaggedLayer):
@@ -77,8 +73,9 @@ class RaggedSlotCache(RaggedCache):
     ):
         check_size("window_length", window_length, 1)
         check_size("slack", slack, 1)
+        self.layout = SlotLayout(static_capacity, window_length, slack)
         self.static_capacity, self.window, self.slack = static_capacity, window_length, slack
-        self.num_slots = static_capacity + window_length + slack
+        self.num_slots = self.layout.num_slots
         # (B, S + W + slack) long: the position each slot holds, -1 = empty; (B,) long: each row's ring start
         self.slot_positions = torch.full((batch_size, self.num_slots), -1, dtype=torch.long)
         self.ring_start = torch.zeros(batch_size, dtype=torch.long)
@@ -91,13 +88,13 @@ class RaggedSlotCache(RaggedCache):
 
     @property
     def ring_capacity(self) -> int:
-        return self.window + self.slack
+        return self.layout.ring_capacity
 
     def _ring_slots(self, positions: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """Ring slots `(B, n)` (buffer indices) of positions `(B, n)` at or past each row's ring start (`row`: the
         positions `(1, n)` of that row only)."""
         start = self.ring_start[:, None] if row is None else self.ring_start[row]
-        return self.static_capacity + (positions - start).remainder(self.ring_capacity)
+        return self.static_capacity + self.layout.ring_offsets(positions, start)
 
     # -- one forward ---------------------------------------------------------------------------------------------
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -117,17 +114,16 @@ class RaggedSlotCache(RaggedCache):
                 f"a forward of {step.positions.shape[1]} tokens per row exceeds the draft cache's slack "
                 f"({self.slack}); feed at most `slack` tokens at a time"
             )
-        in_ring = step.positions >= self.ring_start[:, None]
-        step.slots = torch.where(in_ring, self._ring_slots(step.positions), step.positions)
+        step.slots = self.layout.slots(step.positions, self.ring_start[:, None])
         self.slot_positions.scatter_(1, step.slots, step.positions)
 
     def _slot_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """`(B, q, S + W + slack)` bool for queries at `positions` `(B, q)` (see the module docstring)."""
         held = self.slot_positions[:, None, :]  # (B, 1, K)
         query = positions[:, :, None]  # (B, q, 1)
-        oldest = torch.maximum(self.ring_start, positions[:, 0] - self.window)[:, None, None]
+        ring = self.layout.ring_visible(held, self.ring_start[:, None, None], query, query[:, :1])
         static = torch.arange(self.num_slots, device=held.device) < self.static_capacity
-        return (held >= 0) & (held <= query) & (static | (held >= oldest))
+        return torch.where(static, (held >= 0) & (held <= query), ring)
 
     def _initial_ring_start(self, length: int) -> int:
         raise NotImplementedError
@@ -153,10 +149,8 @@ class RaggedSlotCache(RaggedCache):
         super().crop_rows(remove)
         held = self.slot_positions
         held.masked_fill_(held >= self.lengths[:, None], -1)
-        oldest = torch.maximum(self.ring_start, self.lengths - self.window)  # (B,)
-        ring = held[:, self.static_capacity :]
-        in_window = ((ring >= oldest[:, None]) & (ring < self.lengths[:, None])).sum(-1)
-        if not bool((in_window == (self.lengths - oldest).clamp(min=0)).all()):
+        intact = self.layout.window_intact(held[:, self.static_capacity :], self.ring_start, self.lengths)
+        if not bool(intact.all()):
             raise ValueError(
                 f"crop_rows({remove.tolist()}) needs ring positions already overwritten; a row can roll back only "
                 f"what it wrote since its last kept token, within the slack ({self.slack})"

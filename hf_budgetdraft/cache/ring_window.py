@@ -1,66 +1,11 @@
-"""A preallocated ring buffer that holds the most recent tokens of a draft KV cache.
-
-Windowed-MTP (arXiv 2607.21535, §3): the draft reads a sliding window of the most recent `window` tokens;
-the ring has `window + slack` slots so that a draft round of up to `slack` tokens can be written and rolled
-back without ever overwriting a token the window still needs. Position `p >= start` lives in slot
-`(p - start) mod (window + slack)`; keys carry their RoPE rotation, so a reused slot needs no re-rotation.
-"""
+"""The dynamic draft layers' ring: `RingSlots` bookkeeping (`slot_layout.py`) with its own key/value buffers, read
+as at most two views of the window (no copy)."""
 
 from __future__ import annotations
 
 import torch
 
-
-class RingSlots:
-    """Host bookkeeping of a ring of `window + slack` slots holding the positions `[start, ...)` of one cache layer:
-    which slot a position lives in, which positions a query reads, and which are still intact for a rollback. The
-    dynamic ring (`RingWindow`) and the static draft layers (`static.py`) share it; neither reads a device tensor.
-
-    Args:
-        window (`int`): how many of the most recent past positions a query reads.
-        slack (`int`): extra slots; a `crop` of up to `slack` tokens after a write is always exact.
-    """
-
-    def __init__(self, window: int, slack: int):
-        self.window = window
-        self.slack = slack
-        self.capacity = window + slack
-        self.start = 0  # first position stored in the ring (positions before it live elsewhere)
-        self.valid_from = 0  # oldest position whose slot still holds its own key/value
-
-    def restart(self, start: int) -> None:
-        """Forget every stored token; the ring will hold positions `[start, ...)`."""
-        self.start = self.valid_from = start
-
-    def slots(self, first: int, last: int, device: torch.device) -> torch.Tensor:
-        """`(last - first,)` long: the ring slots of positions `[first, last)`."""
-        return (torch.arange(first, last, device=device) - self.start) % self.capacity
-
-    def wrote_up_to(self, end: int) -> None:
-        """Every position before `end` has been written: the ones `capacity` or more back were overwritten."""
-        self.valid_from = max(self.valid_from, end - self.capacity)
-
-    def window_start(self, length: int) -> int:
-        """First position a query at logical length `length` reads from the ring."""
-        return max(self.start, length - self.window)
-
-    def num_visible(self, length: int) -> int:
-        return max(0, length - self.window_start(length))
-
-    def check_window(self, length: int) -> int:
-        """The window's first position at `length`; raises if a position of it was overwritten (a bookkeeping bug:
-        `crop` refuses to roll back that far)."""
-        first = self.window_start(length)
-        if first < self.valid_from:
-            raise RuntimeError(
-                f"ring window needs position {first} but the oldest kept position is {self.valid_from}; "
-                "this is a bug in the cache bookkeeping (crop/update out of order)"
-            )
-        return first
-
-    def can_roll_back_to(self, length: int) -> bool:
-        """Whether every position the window needs at logical length `length` is still stored."""
-        return self.window_start(length) >= self.valid_from or length <= self.start
+from .slot_layout import RingSlots
 
 
 class RingWindow(RingSlots):

@@ -2,41 +2,24 @@
 
 `SinkWindowCache(..., static=True)` and `BudgetedCache(..., static=True)` (`cache_config={"static": True}`) keep
 exactly the keys of their dynamic layers — sink + window (Windowed-MTP, arXiv 2607.21535, §3) or a policy-selected
-prefix + window (BudgetDraft, arXiv 2606.00144, §3.1), same policy code, same rollback slack — laid out as one
-buffer per layer:
-
-    keys, values: (B, H_kv, S + W + slack, D) = [S static slots (sink / kept prefix) | W + slack ring slots]
+prefix + window (BudgetDraft, arXiv 2606.00144, §3.1), same policy code, same rollback slack — in one
+`(B, H_kv, S + W + slack, D)` buffer per layer laid out as `slot_layout.py` describes.
 
 A **step** of `q <= slack` tokens (a one-token decode step, an MTP head absorbing a round's verified tokens) writes
-each new key into its slot (a sink slot while `p < S`, else ring slot `S + (p - ring_start) mod (W + slack)`) and
-returns the whole buffer in slot order — no copy of the window, whatever its size; no Python number changes: the
-logical length, the ring start and the position held by each ring slot are device tensors updated in place, so a
-compiled one-token step (`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the context grows.
-`q <= slack` keeps the block's own writes off every slot its first query still reads. The slots a query at
-position `p` may read are
+each new key into its slot and returns the whole buffer in slot order — no copy of the window; the length, the ring
+start and the position each ring slot holds are device tensors updated in place, so a compiled step
+(`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the context grows. The step hands its `(q,
+slots)` visibility mask to the attention function through the attention kwargs (`STATIC_LAYER_KWARG`); only
+`attn_implementation="budgetdraft_varlen"` reads it, so a static cache refuses any other implementation (stock
+`sdpa`/`eager` would read stale slots), and model families whose attention does not pass its kwargs to
+`cache.update` (GPT-NeoX) cannot run one. **Longer forwards** (the prefill, blocks of more than `slack` tokens)
+return `[visible past, new]` like the dynamic layers. `crop(-n)` is exact within the slack and raises beyond it.
 
-    static slot j:  j <= p (sink) or j < num_kept (budgeted prefix)
-    ring slot:      ring_start <= pos <= p and pos >= p0 - W     (pos = the position the slot holds, -1 = empty;
-                                                                  p0 = the step's first position)
-
-— the dynamic layer's `[sink, window, new]` keys (causal within the block), and nothing stale (empty slots, tokens
-rolled back by `crop`, tokens older than the window). The step hands that `(q, slots)` mask to the attention
-function through the attention kwargs
-(`STATIC_LAYER_KWARG`); it is read by `attn_implementation="budgetdraft_varlen"` (one masked SDPA, or a varlen
-kernel), which is why a static cache refuses any other attention implementation: stock `sdpa`/`eager` would read
-the stale slots. Model families whose attention does not pass its kwargs to `cache.update` (GPT-NeoX) cannot run a
-static cache.
-
-**Longer forwards** (the prefill, blocks of more than `slack` tokens) return `[visible past, new]` exactly like the
-dynamic layers (they read lengths on the host and are not meant to be compiled). `get_mask_sizes` follows the same
-split: `(S + W + slack, 0)` for a step, the dynamic sizes otherwise. `crop(-n)` is exact within the
-slack and raises beyond it, like the dynamic layers.
-
-**No device reads on the host side.** The device tensors serve the (compiled) step; the host keeps its own copy of
-the length (`known_length`) and the ring's bookkeeping (`RingSlots`: ring start, oldest intact position), so a crop,
-a block and the mask sizes never wait for the device. A compiled step cannot update a host count (the graph replays
-without Python); it marks the count unknown, and whoever drove it hands the exact count back (`note_length`, as the
-draft loop does before each rollback) — else the next host-side use reads the device tensor once.
+**No device reads on the host side.** The host keeps its own copy of the length (`known_length`) and the ring's
+bookkeeping (`RingSlots`), so a crop, a block and the mask sizes never wait for the device. A compiled step cannot
+update a host count (the graph replays without Python); it marks the count unknown, and whoever drove it hands the
+exact count back (`note_length`, as the draft loop does before each rollback) — else the next host-side use reads
+the device tensor once.
 """
 
 from __future__ import annotations
@@ -49,7 +32,7 @@ from ..attention.varlen import NAME as VARLEN_NAME
 from ..attention.varlen import STATIC_LAYER_KWARG
 from .policies import KeepPolicy
 from .prefix_selection import PrefixSelection
-from .ring_window import RingSlots
+from .slot_layout import RingSlots, SlotLayout
 
 
 def check_static_flag(static, config: PreTrainedConfig) -> None:
@@ -111,9 +94,10 @@ class StaticDraftLayer(CacheLayerMixin):
     def __init__(self, static_capacity: int, window_length: int, slack: int):
         super().__init__()
         self.static_capacity, self.window, self.slack = static_capacity, window_length, slack
+        self.layout = SlotLayout(static_capacity, window_length, slack)  # device arithmetic and visibility
         self.ring = RingSlots(window_length, slack)  # host bookkeeping: ring start, oldest intact position
-        self.capacity = self.ring.capacity  # ring slots
-        self.num_slots = static_capacity + self.capacity
+        self.capacity = self.layout.ring_capacity  # ring slots
+        self.num_slots = self.layout.num_slots
         self.known_length: int | None = 0  # `length` on the host; None after a compiled step (read it once)
         self.length: torch.Tensor | None = None  # () long: logical length L (next position)
         self.ring_start: torch.Tensor | None = None  # () long: first position the ring holds
@@ -172,10 +156,10 @@ class StaticDraftLayer(CacheLayerMixin):
     def key_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """`(1, 1, q, S + W + slack)` bool: the slots a step's queries at consecutive `positions` `(q,)` read — the
         window before the step's first token, then the step's own tokens causally (the dynamic layers' keys)."""
-        ring = self.ring_positions[None]  # (1, W + slack)
         position = positions[:, None]  # (q, 1)
-        oldest = positions[:1, None] - self.window  # (1, 1): the window of the step's first query
-        ring_visible = (ring >= self.ring_start) & (ring <= position) & (ring >= oldest)
+        ring_visible = self.layout.ring_visible(
+            self.ring_positions[None], self.ring_start, position, position[:1]
+        )
         return torch.cat([self._static_visible(position), ring_visible], dim=-1)[None, None]
 
     def consume_key_mask(self) -> torch.Tensor:
@@ -215,8 +199,8 @@ class StaticDraftLayer(CacheLayerMixin):
         tokens = key_states.shape[-2]
         positions = self.length + self._offsets[:tokens]  # (q,) long: the new tokens' positions
         in_ring = positions >= self.ring_start
-        ring_slots = (positions - self.ring_start).remainder(self.capacity)  # (q,), distinct: q <= slack
-        slots = torch.where(in_ring, ring_slots + self.static_capacity, positions)  # sink slot p while p < S
+        ring_slots = self.layout.ring_offsets(positions, self.ring_start)  # (q,), distinct: q <= slack
+        slots = self.layout.slots(positions, self.ring_start)  # sink slot p while p < S
         # stored detached: backpropagation goes through the keys `update` returns, never into the buffer
         self.keys.index_copy_(2, slots, key_states.detach())
         self.values.index_copy_(2, slots, value_states.detach())
@@ -354,6 +338,7 @@ class StaticDraftLayer(CacheLayerMixin):
             # tokens past it stay in their slots, hidden by `pos <= p` until rewritten
             self.length.fill_(length)
             self.known_length = length
+            self.ring.rolled_back_to(length)
 
     def reset(self) -> None:
         if self.is_initialized:

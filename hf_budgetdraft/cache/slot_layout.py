@@ -1,0 +1,135 @@
+"""The slot layout of the sparse draft caches: `[S static slots | W + slack ring slots]`, in one place.
+
+Windowed-MTP (arXiv 2607.21535, §3) and BudgetDraft (arXiv 2606.00144, §3.1) drafts read a few static positions
+(the attention sink `[0, S)`, or a policy-selected prefix of at most S positions) plus a sliding window of the W
+most recent tokens. Every draft cache lays one layer out as
+
+    [S static slots | W + slack ring slots]
+
+Position `p >= ring_start` lives in ring slot `S + (p - ring_start) mod (W + slack)` (a sink position `p <
+ring_start` in static slot `p`); keys carry their RoPE rotation, so a reused slot needs no re-rotation. The `slack`
+extra ring slots let a draft round of up to `slack` tokens be written and rolled back without overwriting a token
+the window still needs. A query at position `p` of a step whose first query is at `p0` reads
+
+    static slot:  filled and visible (a sink position <= p; a kept prefix position always)
+    ring slot:    max(ring_start, p0 - W) <= pos <= p          (pos = the position the slot holds, -1 = empty)
+
+and a rollback to length L is exact while every position of its window `[max(ring_start, L - W), L)` still holds
+its own key: while `L - W >= high-water mark - (W + slack)`.
+
+- `RingSlots`: the host's bookkeeping of one sequence (ring start, oldest intact position, the rollback rule),
+  used by the dynamic ring (`ring_window.py`) and the static layers (`static.py`); it never reads a device tensor.
+- `SlotLayout`: the same arithmetic and visibility on device tensors, for a step's slots and its mask, shared by
+  the static layers (one sequence) and the batched caches (`ragged_sparse.py`, one ring start per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class RingSlots:
+    """Host bookkeeping of a ring of `window + slack` slots holding the positions `[start, ...)` of one cache layer:
+    which slot a position lives in, which positions a query reads, and which are still intact for a rollback. The
+    dynamic ring (`RingWindow`) and the static draft layers (`static.py`) share it; neither reads a device tensor.
+
+    Args:
+        window (`int`): how many of the most recent past positions a query reads.
+        slack (`int`): extra slots; a `crop` of up to `slack` tokens after a write is always exact.
+    """
+
+    def __init__(self, window: int, slack: int):
+        self.window = window
+        self.slack = slack
+        self.capacity = window + slack
+        self.start = 0  # first position stored in the ring (positions before it live elsewhere)
+        self.valid_from = 0  # oldest position whose slot still holds its own key/value
+
+    def restart(self, start: int) -> None:
+        """Forget every stored token; the ring will hold positions `[start, ...)`."""
+        self.start = self.valid_from = start
+
+    def slots(self, first: int, last: int, device: torch.device) -> torch.Tensor:
+        """`(last - first,)` long: the ring slots of positions `[first, last)`."""
+        return (torch.arange(first, last, device=device) - self.start) % self.capacity
+
+    def rolled_back_to(self, length: int) -> None:
+        """The sequence was cut to `length`: at or before the ring start, every ring slot is in the future (free)."""
+        if length <= self.start:
+            self.restart(self.start)
+
+    def wrote_up_to(self, end: int) -> None:
+        """Every position before `end` has been written: the ones `capacity` or more back were overwritten."""
+        self.valid_from = max(self.valid_from, end - self.capacity)
+
+    def window_start(self, length: int) -> int:
+        """First position a query at logical length `length` reads from the ring."""
+        return max(self.start, length - self.window)
+
+    def num_visible(self, length: int) -> int:
+        return max(0, length - self.window_start(length))
+
+    def check_window(self, length: int) -> int:
+        """The window's first position at `length`; raises if a position of it was overwritten (a bookkeeping bug:
+        `crop` refuses to roll back that far)."""
+        first = self.window_start(length)
+        if first < self.valid_from:
+            raise RuntimeError(
+                f"ring window needs position {first} but the oldest kept position is {self.valid_from}; "
+                "this is a bug in the cache bookkeeping (crop/update out of order)"
+            )
+        return first
+
+    def can_roll_back_to(self, length: int) -> bool:
+        """Whether every position the window needs at logical length `length` is still stored."""
+        return self.window_start(length) >= self.valid_from or length <= self.start
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """`[static_capacity | window + slack]` slots on device tensors; positions may carry any leading batch shape.
+
+    Args:
+        static_capacity (`int`): static slots, S (sink tokens or the budget).
+        window (`int`): past positions a query reads from the ring, W.
+        slack (`int`): extra ring slots; the longest round a rollback undoes.
+    """
+
+    static_capacity: int
+    window: int
+    slack: int
+
+    @property
+    def ring_capacity(self) -> int:
+        return self.window + self.slack
+
+    @property
+    def num_slots(self) -> int:
+        return self.static_capacity + self.ring_capacity
+
+    def ring_offsets(self, positions: torch.Tensor, ring_start: torch.Tensor) -> torch.Tensor:
+        """Ring-relative slots `(p - ring_start) mod (W + slack)` of positions at or past the ring start."""
+        return (positions - ring_start).remainder(self.ring_capacity)
+
+    def slots(self, positions: torch.Tensor, ring_start: torch.Tensor) -> torch.Tensor:
+        """Buffer slots of `positions`: static slot `p` before the ring start (a sink), else its ring slot."""
+        ring = self.static_capacity + self.ring_offsets(positions, ring_start)
+        return torch.where(positions >= ring_start, ring, positions)
+
+    def ring_visible(
+        self, held: torch.Tensor, ring_start: torch.Tensor, queries: torch.Tensor, first: torch.Tensor
+    ) -> torch.Tensor:
+        """Whether a ring slot holding position `held` is read by a query at `queries` of a step whose first query
+        is at `first` (shapes broadcast): within the window, not past the query, not empty or stale."""
+        return (held >= torch.maximum(ring_start, first - self.window)) & (held <= queries)
+
+    def window_intact(
+        self, held_ring: torch.Tensor, ring_start: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """`(B,)` bool: whether ring slots `(B, W + slack)` still hold every position of each row's window at
+        `lengths` `(B,)` (a rollback to `lengths` is exact)."""
+        oldest = torch.maximum(ring_start, lengths - self.window)
+        held = ((held_ring >= oldest[:, None]) & (held_ring < lengths[:, None])).sum(-1)
+        return held == (lengths - oldest).clamp(min=0)
