@@ -50,7 +50,7 @@ from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .cpu import few_row_linears
-from .generation.batched_loop import drafting_on_full_cache, run_batched, run_sparse_batch
+from .generation.batched_loop import run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
@@ -217,15 +217,18 @@ def _get_candidate_generator(
     return generator
 
 
-def _plan(target, assistant_model, generation_config, batched: bool = False) -> DraftPlan:
+def _plan(target, assistant_model, generation_config, rows: int | None = None) -> DraftPlan:
+    """The call's plan; `rows` (the batch size, `None`: unknown, one sequence) decides whether it runs batched."""
     name, cache_config = generation_config.cache_implementation, generation_config.cache_config
     spec = DraftSpec.from_cache_config(name, cache_config)
+    batched = rows is not None and spec.runs_batched(rows)
     return resolve_plan(spec, cache_config, target, assistant_model, generation_config, batched=batched)
 
 
 def _assisted_decoding(self, *args, **kwargs):
     """Sparse-draft calls run inside their `DraftPlan`, scoped to this call (the models are not written to). A batch of
-    more than one row runs the batched loop (`generation/batched_loop.py`)."""
+    more than one row, or a call drafting on a full cache (`cache_config={"full_draft_cache": True}`), runs the batched
+    loop (`generation/batched_loop.py`)."""
     generation_config = kwargs.get("generation_config")
     assistant_model = kwargs.get("assistant_model")
     input_ids = args[0] if args else kwargs.get("input_ids")
@@ -258,13 +261,11 @@ def _assisted_decoding(self, *args, **kwargs):
         kwargs.get("tokenizer"),
         kwargs.get("assistant_tokenizer"),
     )
-    # a full-cache draft baseline (`full_draft_cache()`) always runs the batched loop, whatever the batch size
-    batched = input_ids is not None and (input_ids.shape[0] > 1 or drafting_on_full_cache())
-    plan = _plan(self, assistant_model, generation_config, batched=batched)
+    plan = _plan(self, assistant_model, generation_config, None if input_ids is None else input_ids.shape[0])
     stats = active_recorder()
     if stats is not None:
         stats.plan = plan
-    if batched:
+    if plan.batched:
         with plan.applied(self):
             return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
     token = _current_plan.set(plan)

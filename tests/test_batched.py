@@ -113,6 +113,22 @@ def test_batched_speculation_uses_the_adaptive_policy_by_default():
     assert stats.plan.spec.static is False  # ragged caches are dynamic
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_full_draft_cache_runs_the_batched_loop_at_any_batch_size(batch):
+    target, drafter = model_pair("llama")
+    ids, mask, _ = padded_batch([100, 60][:batch])
+    options = {**CACHES["budgeted"], "full_draft_cache": True}
+    with record_speculation() as stats:
+        out = greedy(
+            target, ids, mask, assistant_model=drafter, cache_implementation="budgeted", cache_config=options
+        )
+    assert torch.equal(out, greedy(target, ids, mask))
+    assert stats.plan.batched and len(stats.rows) == batch
+    assert (
+        type(stats.candidate_generator.draft_cache) is RaggedCache
+    )  # every past token, not the budgeted view
+
+
 @pytest.mark.parametrize("cache", sorted(CACHES))
 def test_a_batch_of_64_ragged_rows_equals_the_target_batch(cache):
     """The largest batch the tests drive: 64 rows of 30-90 tokens (every row longer than the draft cache keeps)."""

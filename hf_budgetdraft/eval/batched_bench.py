@@ -5,8 +5,8 @@ Methods (one timed `generate()` of a left-padded batch, `new_tokens` tokens per 
 - `ar`: batched autoregressive decoding on the package's fast target (`budgetdraft_sdpa`, a `GrowableCache`);
 - `speculative`: `generate(batch, attention_mask=mask, assistant_model=drafter, cache_implementation=...)`, the
   one-liner for a batch (every default; `cache_config` optional);
-- `full_draft`: the same loop with the drafter reading its full cache (`full_draft_cache()`): what the sparse
-  draft is compared with in the same batch.
+- `full_draft`: the same loop with the drafter reading its full cache (`cache_config={"full_draft_cache": True}`):
+  what the sparse draft is compared with in the same batch.
 
 Throughput = every row's new tokens after its first one / decode time (the call minus its prefill); per-row
 latency = from the call's start to the row's last token (speculative rows finish at different rounds).
@@ -14,7 +14,6 @@ latency = from the call's start to the row's last token (speculative rows finish
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,6 @@ from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
 from ..compat import cache_kwargs, output_cache
 from ..cpu import few_row_linears
-from ..generation.batched_loop import full_draft_cache
 from ..generation.stats import SpeculationStats, record_speculation
 from .timing import ChunkTimer as _TimingStreamer
 
@@ -109,8 +107,11 @@ def run_batch_speculative(
     sampling: dict | None = None,
     full_draft: bool = False,
 ) -> BatchRun:
-    """The batched one-liner (`full_draft`: the drafter on its full cache instead)."""
-    with record_speculation() as stats, full_draft_cache() if full_draft else contextlib.nullcontext():
+    """The batched one-liner (`full_draft`: the drafter on its full cache instead, in the batched loop whatever the
+    batch size)."""
+    if full_draft:
+        cache_config = {**(cache_config or {}), "full_draft_cache": True}
+    with record_speculation() as stats:
         start = time.perf_counter()
         out = target.generate(
             ids,

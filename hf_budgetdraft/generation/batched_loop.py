@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from contextvars import ContextVar
 
 import torch
 from transformers.generation.logits_process import (
@@ -53,7 +51,6 @@ from .plan import DraftPlan
 from .stats import active_recorder
 
 MAX_BATCH_SIZE = 256
-_full_draft: ContextVar[bool] = ContextVar("budgetdraft_full_draft_cache", default=False)
 # processors that read only the scores, so a batch of positions goes through them in one call
 _SCORE_ONLY = (
     TemperatureLogitsWarper,
@@ -118,7 +115,7 @@ class BatchedSpeculation:
             self.draft_cache = None
         else:
             self.target_cache = RaggedCache(self.target.config, batch, capacity)
-            if _full_draft.get():
+            if self.plan.spec.full_draft_cache:  # the baseline: the drafter reads every past token
                 self.draft_cache = RaggedCache(self.drafter.config, batch, capacity)
             else:
                 self.draft_cache = self.plan.spec.build_ragged_cache(self.drafter.config, batch, capacity)
@@ -353,24 +350,9 @@ class BatchedSpeculation:
         return out
 
 
-@contextlib.contextmanager
-def full_draft_cache() -> Iterator[None]:
-    """Inside the block, batched calls draft on a full ragged cache instead of the sparse one the call names: the
-    same drafter and loop reading every past token (the baseline a sparse draft is measured against)."""
-    token = _full_draft.set(True)
-    try:
-        yield
-    finally:
-        _full_draft.reset(token)
-
-
 def _scores_queries(cache) -> bool:
     """Whether a cache's prefill needs the prefill queries (a query-scored budgeted policy)."""
     return isinstance(cache, RaggedBudgetedCache) and cache.policy.needs_queries
-
-
-def drafting_on_full_cache() -> bool:
-    return _full_draft.get()
 
 
 def _suppress_eos(logits: torch.Tensor, processor, lengths: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,15 @@ _DEFAULT_WINDOW = {
     name: next(p.default for p in params if p.name == "window_length")
     for name, params in _CACHE_PARAMETERS.items()
 }
-_RUN_OPTIONS = ("lean_step", "compile", "draft_length", "max_draft_length", "fast_verify", "prefill_window")
+_RUN_OPTIONS = (
+    "lean_step",
+    "compile",
+    "draft_length",
+    "max_draft_length",
+    "fast_verify",
+    "prefill_window",
+    "full_draft_cache",
+)
 MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
 MAX_PREFILL_WINDOW = 1 << 20
 DEFAULT_PREFILL_WINDOW = 1024
@@ -122,6 +130,9 @@ class DraftSpec:
             for a single sequence, a drafter made of full-attention layers and a policy that does not score the
             prefix with the prefill's queries; otherwise `None` (a full prefill). An explicit int is refused with a
             query-scored policy and in batched calls.
+        full_draft_cache (`bool`, defaults to `False`): a baseline, not a speed-up: the drafter reads a full ragged
+            cache instead of the sparse one `cache` names, in the batched loop whatever the batch size (what a
+            sparse draft is measured against: the bench's `full_draft` method).
     """
 
     cache: str = "budgeted"
@@ -138,6 +149,7 @@ class DraftSpec:
     max_draft_length: int | None = None
     fast_verify: bool = True
     prefill_window: int | str | None = AUTO
+    full_draft_cache: bool = False
 
     def __post_init__(self):
         if self.cache not in DRAFT_CACHES:
@@ -147,8 +159,9 @@ class DraftSpec:
         _check_switch("static", self.static)
         _check_switch("lean_step", self.lean_step)
         _check_switch("compile", self.compile)
-        if not isinstance(self.fast_verify, bool):
-            raise TypeError(f"fast_verify must be a bool, got {self.fast_verify!r}")
+        for name in ("fast_verify", "full_draft_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         length = self.draft_length
         if isinstance(length, bool) or not (
             length in DRAFT_LENGTH_POLICIES or (isinstance(length, int) and 0 <= length <= MAX_DRAFT_LENGTH)
@@ -259,6 +272,11 @@ class DraftSpec:
         applies = not batched and not self.query_scored and not layers_besides_full_attention(drafter_config)
         return DEFAULT_PREFILL_WINDOW if applies else None
 
+    def runs_batched(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the batched loop: several rows, or a full draft cache (which only the
+        batched loop builds)."""
+        return rows > 1 or self.full_draft_cache
+
     @property
     def draft_tokens(self) -> int:
         """Prefix tokens the draft reads besides its window: the budget, or the sink."""
@@ -310,6 +328,7 @@ class DraftPlan:
         target_linear (`bool`): the target's linear layers run `few_row_linear` for the call.
         compile_config (`CompileConfig`, *optional*): how the one-token draft step compiles, when it does.
         device_type (`str`): the drafter's device type the choices were made for (`device_rules.py`).
+        batched (`bool`): the call runs the batched loop (`DraftSpec.runs_batched`).
         reasons (`dict[str, str]`): why each automatic choice came out as it did (measured, or an estimate).
     """
 
@@ -323,6 +342,7 @@ class DraftPlan:
     target_linear: bool = False
     compile_config: CompileConfig | None = None
     device_type: str = "cpu"
+    batched: bool = False
     reasons: dict = field(default_factory=dict, compare=False)
 
     @contextlib.contextmanager
@@ -468,6 +488,10 @@ def resolve_plan(
                 "per-row caches. Drop them from cache_config for batched calls"
             )
         spec = spec.replace(static=False, lean_step=False, compile=False)
+    elif spec.full_draft_cache:
+        raise ValueError(
+            "full_draft_cache=True drafts in the batched loop; pass batched=True (generate() does)"
+        )
     static, static_reason = _static_choice(spec, drafter)
     lean, lean_problem = _lean_step(spec.lean_step, static, drafter, rules)
     compiled, compile_config, compile_reason = _compile_choice(spec, static, lean, drafter, call, rules)
@@ -487,6 +511,7 @@ def resolve_plan(
         target_linear=target_linear,
         compile_config=compile_config if compiled else None,
         device_type=rules.device_type,
+        batched=batched,
         reasons={
             "static": static_reason,
             "lean_step": lean_problem or _asked_or(spec.lean_step, batched, rules.reasons["lean_step"]),
