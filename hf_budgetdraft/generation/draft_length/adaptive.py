@@ -27,24 +27,16 @@ MOST_ROUNDS_BETWEEN_CHECKS = 256  # the most either interval grows to
 class AdaptiveDraftLength(DraftLength):
     """Each round drafts `argmax_γ E[tokens | γ] / (c_verify(γ) + c_draft(γ))` over γ in [0, `maximum`].
 
-    Acceptance per draft position has a Beta prior (mean `prior_acceptance`, weight `prior_weight` rounds), pooled
-    towards the call's overall acceptance so positions rarely reached borrow strength; costs start from prior
-    ratios to the verification step and are replaced by this call's timings: the first round holds both prefills
-    and the second runs each draft and verify path for the first time, so neither is fitted, and the third is a
-    plain AR step. Verification and drafting are each fitted as `intercept + slope·γ`: a policy that drafts short
-    rounds must not charge a longer one the first step's cold caches once per token. Timing noise only adds time,
-    and one stall (a page-fault storm, another process) must not keep a paying drafter off: a round counts for at
-    most `γ` AR steps of drafting and `γ + 1` of verification, and estimates forget old rounds with `decay`.
-    After a run of γ = 0 rounds it drafts one probing round (after 8, 16, 32, ... 256 AR rounds; back to 8 once
-    drafting pays again) so a drafter that improves later (the text changes) is taken back. In a close call —
-    drafting within `close_call` of AR's rate were its acceptance one posterior standard deviation above the
-    estimate, where early rounds' bad luck can leave it — it probes every `close_probe_after` AR rounds instead:
-    such a probe costs little, and the estimate it sharpens decides the rest of the call. The third round (the
-    first after a timed drafting round) is always a plain AR step, so the cost drafting competes with is measured;
-    that is measured again after `remeasure_after` drafting rounds in a row (32, then 64, ... 256), and the AR cost
-    is the lower quartile of the last `ar_samples` measurements (their least while there are fewer than 4): one
-    slow early measurement must not keep a losing policy drafting, and the machine's fast moments alone must not
-    make AR look better than the drafting rounds it is compared with.
+    Acceptance per draft position: a Beta prior (mean `prior_acceptance`, weight `prior_weight` rounds) pooled
+    towards the call's overall rate. Costs: prior ratios to the verification step until the call's own timings
+    replace them, verification and drafting each fitted as `intercept + slope·γ` (decayed by `decay`; a round counts
+    for at most γ AR steps of drafting and γ + 1 of verification). The first round (prefills) and the second (cold
+    paths) are not fitted; the third is a plain AR step, re-measured after `FIRST_REMEASURE_AFTER`, ... drafting
+    rounds in a row, its cost the lower quartile of the last `ar_samples`. After a run of γ = 0 it probes one
+    drafting round after `FIRST_PROBE_AFTER`, doubling to `MOST_ROUNDS_BETWEEN_CHECKS` AR rounds — every
+    `close_probe_after` in a close call (drafting within `close_call` of AR were its acceptance one posterior
+    standard deviation higher). Why each rule, and what it was measured against: docs/fast_default.md, "The
+    adaptive draft length".
 
     Args:
         maximum (`int`): the longest round (the draft cache's rollback slack bounds it).
