@@ -209,11 +209,11 @@ def _greedy_runs(target, drafters: dict, ids, new_tokens: int, caches: dict, rep
     return outputs, stats_by_label, graphs, errors
 
 
-def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> dict:
-    prompt, new_tokens, gamma = sizes["prompt"], sizes["new_tokens"], sizes["gamma"]
+def _greedy_caches(sizes: dict) -> dict:
+    """label -> (cache_implementation, cache_config) of the sparse drafts; the static ones compile in generate."""
     sink, window, budget = sizes["sink"], sizes["window"], sizes["budget"]
-    slack = max(8, gamma)
-    caches = {  # label -> (cache_implementation, cache_config); the static ones compile in generate
+    slack = max(8, sizes["gamma"])
+    return {
         "sink_window": (
             "sink_window",
             {"num_sink_tokens": sink, "window_length": window, "slack": slack, "static": False},
@@ -237,34 +237,78 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
             },
         ),
     }
+
+
+def _greedy_models(device: torch.device, dtype: torch.dtype, sizes: dict, smoke: bool):
+    """`(target, drafters)`: the smoke pair in `dtype` on `device`, with the drafter three ways: `native` (stock
+    sdpa, full cache), `sparse` (`budgetdraft_varlen`, its step compiled) and `oneliner` (as loaded)."""
+    target, drafter = smoke_pair(seed=0, max_position_embeddings=sizes["prompt"] + sizes["new_tokens"] + 64)
+    target, drafter = target.to(device, dtype), drafter.to(device, dtype)
+    native_drafter = copy.deepcopy(drafter)  # stock sdpa, full cache: "native"
+    oneliner_drafter = copy.deepcopy(drafter)  # as loaded: no draft-length or compile settings
+    drafter.set_attn_implementation(VARLEN)
+    for model in (drafter, native_drafter):
+        _configure(model, sizes["gamma"])
+    compile_config = (
+        CompileConfig(fullgraph=True, backend="eager", mode=None) if smoke else CompileConfig(fullgraph=True)
+    )
+    compile_config._compile_all_devices = True  # CPU smoke: compile anyway (CUDA compiles by default)
+    drafter.generation_config.compile_config = compile_config
+    return target, {"native": native_drafter, "sparse": drafter, "oneliner": oneliner_drafter}
+
+
+def _greedy_rows(target, ids, outputs: dict, stats_by_label: dict) -> dict:
+    """label -> differing tokens against AR, the first one and, where they differ, the target's own logit margin
+    there."""
+    rows = {}
+    for label, runs_of_label in outputs.items():
+        diff = token_diff(runs_of_label[0], outputs["ar"][0])
+        row = {"diff_vs_ar": diff.diff_tokens, "first_diff": diff.first_diff, **stats_by_label[label]}
+        if diff.first_diff is not None and diff.first_diff < min(
+            len(runs_of_label[0]), len(outputs["ar"][0])
+        ):
+            with torch.inference_mode():
+                row["target_margin_at_first_diff"] = divergence_margin(
+                    target, ids, outputs["ar"][0], runs_of_label[0], diff.first_diff
+                )
+        rows[label] = row
+    return rows
+
+
+def _check_greedy_rows(
+    report: Report, dtype: torch.dtype, rows: dict, outputs: dict, caches: dict, result: dict
+):
+    """Every row identical to AR, or diverging only where the target's own logits nearly tie (bf16: also the
+    noise envelope of the runs into `result`)."""
+    if dtype == torch.float32:
+        for label, row in rows.items():
+            # fp32 on a GPU: a γ+1-token verify forward may round differently from a 1-token AR step, so a
+            # flip at a margin of ~1e-5 is noise; anything at a larger margin is a bug (CPU: always 0 diffs)
+            margin = row.get("target_margin_at_first_diff")
+            ok = row["diff_vs_ar"] == 0 or (margin is not None and abs(margin) <= FP32_MARGIN_TOLERANCE)
+            report.check(f"greedy.fp32.{label}", ok, row)
+        return
+    pairs = [("native_vs_ar", "native", "ar")] + [("windowed_vs_native", label, "native") for label in caches]
+    pairs += [("windowed_vs_ar", label, "ar") for label in caches]
+    result["envelope"]["bfloat16"] = noise_envelope(outputs, pairs)
+    for label, row in rows.items():
+        margin = row.get("target_margin_at_first_diff")
+        # bf16: a divergence is numerical noise only at an argmax near-tie of the target's own logits
+        ok = row["diff_vs_ar"] == 0 or (margin is not None and abs(margin) <= report.margin_tolerance)
+        report.check(f"greedy.bf16.{label}", ok, row)
+
+
+def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> dict:
+    caches = _greedy_caches(sizes)
     result: dict = {"settings": dict(sizes), "runs": {}, "envelope": {}}
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 2048, (1, prompt), generator=generator).to(device)
+    ids = torch.randint(0, 2048, (1, sizes["prompt"]), generator=generator).to(device)
     for dtype in (torch.float32, torch.bfloat16):
         dtype_name = str(dtype).removeprefix("torch.")
-        target, drafter = smoke_pair(seed=0, max_position_embeddings=prompt + new_tokens + 64)
-        target, drafter = target.to(device, dtype), drafter.to(device, dtype)
-        native_drafter = copy.deepcopy(drafter)  # stock sdpa, full cache: "native"
-        oneliner_drafter = copy.deepcopy(drafter)  # as loaded: no draft-length or compile settings
-        drafter.set_attn_implementation(VARLEN)
-        for model in (drafter, native_drafter):
-            _configure(model, gamma)
-        compile_config = (
-            CompileConfig(fullgraph=True, backend="eager", mode=None)
-            if smoke
-            else CompileConfig(fullgraph=True)
-        )
-        compile_config._compile_all_devices = True  # CPU smoke: compile anyway (CUDA compiles by default)
-        drafter.generation_config.compile_config = compile_config
+        target, drafters = _greedy_models(device, dtype, sizes, smoke)
         torch._dynamo.reset()  # fresh compile caches: the recompile counts below are this run's
         outputs, stats_by_label, graphs, errors = _greedy_runs(
-            target,
-            {"native": native_drafter, "sparse": drafter, "oneliner": oneliner_drafter},
-            ids,
-            new_tokens,
-            caches,
-            sizes["repeats"],
-            device,
+            target, drafters, ids, sizes["new_tokens"], caches, sizes["repeats"], device
         )
         for label, error in errors.items():
             report.check(f"greedy.{dtype_name}.{label}.ran", False, error.splitlines()[0])
@@ -272,39 +316,10 @@ def greedy(report: Report, device: torch.device, sizes: dict, smoke: bool) -> di
         result.setdefault("compiled_graphs_per_repeat", {})[dtype_name] = graphs
         # the static drafts' decode step compiles once per cache kind, never again as the context grows
         report.check(f"greedy.{dtype_name}.no_recompile_after_first_repeat", sum(graphs[1:]) == 0, graphs)
-        rows = {}
-        for label, runs_of_label in outputs.items():
-            diff = token_diff(runs_of_label[0], outputs["ar"][0])
-            row = {"diff_vs_ar": diff.diff_tokens, "first_diff": diff.first_diff, **stats_by_label[label]}
-            if diff.first_diff is not None and diff.first_diff < min(
-                len(runs_of_label[0]), len(outputs["ar"][0])
-            ):
-                with torch.inference_mode():
-                    row["target_margin_at_first_diff"] = divergence_margin(
-                        target, ids, outputs["ar"][0], runs_of_label[0], diff.first_diff
-                    )
-            rows[label] = row
+        rows = _greedy_rows(target, ids, outputs, stats_by_label)
         result["runs"][dtype_name] = rows
-        if dtype == torch.float32:
-            for label, row in rows.items():
-                # fp32 on a GPU: a γ+1-token verify forward may round differently from a 1-token AR step, so a
-                # flip at a margin of ~1e-5 is noise; anything at a larger margin is a bug (CPU: always 0 diffs)
-                margin = row.get("target_margin_at_first_diff")
-                ok = row["diff_vs_ar"] == 0 or (margin is not None and abs(margin) <= FP32_MARGIN_TOLERANCE)
-                report.check(f"greedy.fp32.{label}", ok, row)
-        else:
-            pairs = [("native_vs_ar", "native", "ar")] + [
-                ("windowed_vs_native", label, "native") for label in caches
-            ]
-            pairs += [("windowed_vs_ar", label, "ar") for label in caches]
-            envelope = noise_envelope(outputs, pairs)
-            result["envelope"][dtype_name] = envelope
-            for label, row in rows.items():
-                margin = row.get("target_margin_at_first_diff")
-                # bf16: a divergence is numerical noise only at an argmax near-tie of the target's own logits
-                ok = row["diff_vs_ar"] == 0 or (margin is not None and abs(margin) <= report.margin_tolerance)
-                report.check(f"greedy.bf16.{label}", ok, row)
-        del target, drafter, native_drafter
+        _check_greedy_rows(report, dtype, rows, outputs, caches, result)
+        del target, drafters
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result

@@ -1,6 +1,7 @@
 """Speculative decoding on sparse draft caches, as `integration.py` plugs it into transformers' `generate()`.
 
-- `plan`: `DraftSpec`, what a call asks for, and `DraftPlan`, that spec resolved for a target/drafter pair;
+- `plan`: `DraftSpec`, what a call asks for, and `DraftPlan`, that spec resolved for a target/drafter pair
+  (`plan_choices`: how each automatic choice is decided);
 - `device_rules`: the plan's device-dependent choices; `compiled_step`: how the draft step compiles, and when;
 - `candidate_generator`: `SparseDraftCandidateGenerator`, the drafter on its sparse cache inside assisted generation;
 - `draft_steps`: the draft's forwards as step objects (prefill, block, one-token: eager, lean, compiled);

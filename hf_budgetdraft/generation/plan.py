@@ -15,8 +15,9 @@ linear layers on CPU), and a draft length chosen online from the call's own cost
 
 The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
 
-`resolve_plan` turns a spec into a plan for one call's models; choices that depend on the device come from
-`device_rules.py`, and `DraftPlan.reasons` says why each came out as it did. What the defaults turn on, and when:
+`resolve_plan` turns a spec into a plan for one call's models (each choice decided in `plan_choices.py`); choices
+that depend on the device come from `device_rules.py`, and `DraftPlan.reasons` says why each came out as it did.
+What the defaults turn on, and when:
 
 - **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
   travels that way); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
@@ -53,14 +54,13 @@ from ..cache import BudgetedCache, SinkWindowCache, get_policy
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 from ..cache.windowed_prefill import layers_besides_full_attention
-from ..cpu import few_row_linear_applies, few_row_linears, lean_step_problem
-from .compiled_step import compile_pays, draft_step_compile_config
-from .device_rules import DeviceRules, device_rules
+from ..cpu import few_row_linear_applies, few_row_linears
+from .device_rules import device_rules
+from .plan_choices import AUTO, asked_or, compile_choice, draft_length_choice, lean_step_choice, window_choice
 
 logger = logging.get_logger(__name__)
 CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
 DRAFT_CACHES = tuple(CACHE_CLASSES)
-AUTO = "auto"
 DRAFT_LENGTH_POLICIES = ("adaptive", "heuristic")
 # each cache class's own arguments (besides its config) are its options; their defaults are the spec's
 _CACHE_PARAMETERS = {
@@ -358,78 +358,6 @@ class DraftPlan:
         return attention_scope(drafter, self.draft_attention)
 
 
-_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-
-
-def _explicit(config: GenerationConfig, name: str, defaults: dict):
-    value = getattr(config, name, None)
-    return None if value is None or value == defaults.get(name) else value
-
-
-def _draft_length(spec: DraftSpec, explicit_spec: bool, call, drafter) -> tuple[int | str, str, float, int]:
-    """`(draft length, its source, confidence threshold, heuristic start)`; the module docstring has the
-    precedence."""
-    defaults = GenerationConfig()._get_default_generation_params()
-    sources = (
-        ("generate()", {n: _explicit(call, n, defaults) for n in _LENGTH_FIELDS}),
-        (
-            "drafter.generation_config",
-            {n: getattr(drafter.generation_config, n, None) for n in _LENGTH_FIELDS},
-        ),
-    )
-    threshold = float(next((t for _, s in sources if (t := s["assistant_confidence_threshold"])), 0.0))
-    start = spec.max_draft_length
-    if explicit_spec:
-        return spec.draft_length, "cache_config", threshold, start
-    for source, values in sources:
-        tokens, schedule = values["num_assistant_tokens"], values["num_assistant_tokens_schedule"]
-        if schedule in ("heuristic", "heuristic_transient"):
-            start = min(int(tokens or defaults["num_assistant_tokens"]), spec.max_draft_length)
-            return "heuristic", source, threshold, start
-        if tokens is not None:
-            if tokens > spec.slack:
-                raise ValueError(
-                    f"num_assistant_tokens={tokens} exceeds the draft cache's rollback slack ({spec.slack}); pass "
-                    f"cache_config={{'slack': {int(tokens)}, ...}} or lower num_assistant_tokens"
-                )
-            return int(tokens), source, threshold, start
-    return spec.draft_length, "default", threshold, start
-
-
-def _lean_step(asked: bool | str, static: bool, drafter, rules: DeviceRules) -> tuple[bool, str | None]:
-    """`(lean step on, why not)` for a call: `"auto"` turns it on with a static cache and a drafter it can run, on a
-    device whose rules allow it."""
-    if asked is False:
-        return False, None
-    problem = None if static else "the draft cache is not static"
-    problem = problem or lean_step_problem(drafter)
-    if asked is True and problem is not None:
-        raise ValueError(
-            f"lean_step=True, but {problem}; drop lean_step (or set it to 'auto') to draft with the drafter's own "
-            "forward"
-        )
-    if asked == AUTO and problem is None and not rules.lean_step:
-        problem = f"{rules.device_type}: {rules.reasons['lean_step']}"
-    return problem is None, problem
-
-
-def _asked_or(value, batched: bool, rule: str) -> str:
-    """The reason of a choice: the caller's setting, a batch's ragged caches, or the device rule."""
-    if batched:
-        return "a batch drafts on ragged per-row caches"
-    return "cache_config" if value != AUTO else rule
-
-
-def _window_choice(spec: DraftSpec, drafter, batched: bool, rules: DeviceRules) -> tuple[int | None, str]:
-    """`(prefill window, why)`: `"auto"` windows where the drafter allows it, on a device whose rules allow it."""
-    window = spec.resolved_prefill_window(drafter.config, batched)
-    if spec.prefill_window != AUTO or batched:
-        return window, _asked_or(spec.prefill_window, batched, "")
-    if window is None:
-        return None, "the drafter's layers or its policy's prefill queries need a full prefill"
-    return (window if rules.prefill_window else None), rules.reasons["prefill_window"]
-
-
 def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
     can_be_static = supports_static_cache(drafter)
     if spec.static != AUTO:
@@ -449,29 +377,6 @@ def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
     return True, "the drafter's layers allow fixed slot buffers read by budgetdraft_varlen"
 
 
-def _compile_choice(
-    spec: DraftSpec, static: bool, lean: bool, drafter, call: GenerationConfig, rules: DeviceRules
-) -> tuple[bool, CompileConfig, str]:
-    """`(compile the one-token draft step, how, why)`; an explicit compile config on the drafter means "compile"."""
-    asked = drafter.generation_config.compile_config
-    config = asked or draft_step_compile_config(drafter.device)
-    compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
-    if compiled is True and not static:
-        raise ValueError(
-            "compile=True compiles the step of a static draft cache; drop compile or set static=True"
-        )
-    if call.disable_compile:
-        return False, config, "generate(disable_compile=True)"
-    if not static:
-        return False, config, "the draft cache is not static"
-    if compiled != AUTO:
-        return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
-    if rules.compile_from_first_call:
-        return True, config, rules.reasons["compile_from_first_call"]
-    pays = compile_pays(drafter, config, lean)
-    return pays, config, rules.reasons["compile_from_first_call"] + ("" if pays else " (not yet)")
-
-
 def resolve_plan(
     spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig, batched: bool = False
 ) -> DraftPlan:
@@ -479,7 +384,7 @@ def resolve_plan(
     several rows, whose draft caches are the ragged ones: never static, lean or compiled), from the rules of the
     drafter's device (`device_rules.py`); `DraftPlan.reasons` says why each choice came out as it did."""
     rules = device_rules(drafter.device, drafter.dtype)
-    window, window_reason = _window_choice(spec, drafter, batched, rules)
+    window, window_reason = window_choice(spec, drafter, batched, rules)
     spec = spec.replace(prefill_window=window)
     if batched:
         if True in (spec.static, spec.lean_step, spec.compile):
@@ -493,9 +398,9 @@ def resolve_plan(
             "full_draft_cache=True drafts in the batched loop; pass batched=True (generate() does)"
         )
     static, static_reason = _static_choice(spec, drafter)
-    lean, lean_problem = _lean_step(spec.lean_step, static, drafter, rules)
-    compiled, compile_config, compile_reason = _compile_choice(spec, static, lean, drafter, call, rules)
-    length, source, threshold, start = _draft_length(
+    lean, lean_problem = lean_step_choice(spec.lean_step, static, drafter, rules)
+    compiled, compile_config, compile_reason = compile_choice(spec, static, lean, drafter, call, rules)
+    length, source, threshold, start = draft_length_choice(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
     target_rules = device_rules(target.device, target.dtype)
@@ -514,7 +419,7 @@ def resolve_plan(
         batched=batched,
         reasons={
             "static": static_reason,
-            "lean_step": lean_problem or _asked_or(spec.lean_step, batched, rules.reasons["lean_step"]),
+            "lean_step": lean_problem or asked_or(spec.lean_step, batched, rules.reasons["lean_step"]),
             "compile": compile_reason,
             "prefill_window": window_reason,
             "target_linear": target_rules.reasons["few_row_linear"]

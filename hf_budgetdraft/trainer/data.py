@@ -287,6 +287,24 @@ def sampled_rows(num_rows: int, sampled_fraction: float) -> list[bool]:
     ]
 
 
+def _continue(
+    teacher, prefixes: list[list[int]], continuation_length: int, settings: dict
+) -> list[list[int]]:
+    """`teacher`'s continuations of equal-length `prefixes` `(b, P)`: `(b, P + C)` rows of exactly
+    `continuation_length` new tokens each. `settings`: greedy, or sampled as a user's `do_sample` call samples (the
+    target's generation config: top-k 50 unless it says)."""
+    ids = torch.tensor(prefixes, device=next(teacher.parameters()).device)  # (b, P)
+    with torch.no_grad():
+        out = teacher.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=continuation_length,
+            min_new_tokens=continuation_length,
+            **settings,
+        )  # (b, P + C)
+    return out.cpu().tolist()
+
+
 def generate_target_continuations(
     dataset,
     teacher,
@@ -328,22 +346,7 @@ def generate_target_continuations(
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     sampled = sampled_rows(len(dataset), sampled_fraction)
-    device = next(teacher.parameters()).device
     teacher.eval()
-
-    def continue_rows(rows: list[list[int]], do_sample: bool) -> list[list[int]]:
-        prefixes = torch.tensor([row[:prefix_length] for row in rows], device=device)  # (b, P)
-        # sampled as a user's do_sample call samples (the target's generation config: top-k 50 unless it says)
-        settings = {"do_sample": True, "temperature": temperature} if do_sample else {"do_sample": False}
-        with torch.no_grad():
-            out = teacher.generate(
-                prefixes,
-                attention_mask=torch.ones_like(prefixes),
-                max_new_tokens=continuation_length,
-                min_new_tokens=continuation_length,
-                **settings,
-            )  # (b, P + C)
-        return out.cpu().tolist()
 
     def regenerate(batch, indices):
         out = list(batch["input_ids"])
@@ -352,7 +355,13 @@ def generate_target_continuations(
             if chosen:
                 if do_sample:
                     torch.manual_seed(seed + indices[0])
-                for n, row in zip(chosen, continue_rows([out[n] for n in chosen], do_sample), strict=True):
+                rows = [out[n][:prefix_length] for n in chosen]
+                settings = (
+                    {"do_sample": True, "temperature": temperature} if do_sample else {"do_sample": False}
+                )
+                for n, row in zip(
+                    chosen, _continue(teacher, rows, continuation_length, settings), strict=True
+                ):
                     out[n] = row
         return {"input_ids": out}
 

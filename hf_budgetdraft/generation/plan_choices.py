@@ -1,0 +1,114 @@
+"""How `resolve_plan` decides the automatic choices of a `DraftSpec` for one call: the draft length and where it
+came from, the lean draft step, the draft prefill window and the compiled one-token step. Each returns the choice
+with the reason `DraftPlan.reasons` reports."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transformers import CompileConfig, GenerationConfig
+
+from ..cpu import lean_step_problem
+from .compiled_step import compile_pays, draft_step_compile_config
+from .device_rules import DeviceRules
+
+if TYPE_CHECKING:
+    from .plan import DraftSpec
+
+AUTO = "auto"  # a switch decided per call
+
+_LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def _explicit(config: GenerationConfig, name: str, defaults: dict):
+    value = getattr(config, name, None)
+    return None if value is None or value == defaults.get(name) else value
+
+
+def draft_length_choice(
+    spec: DraftSpec, explicit_spec: bool, call, drafter
+) -> tuple[int | str, str, float, int]:
+    """`(draft length, its source, confidence threshold, heuristic start)`; the `plan` module's docstring has the
+    precedence (`explicit_spec`: `cache_config` sets `draft_length`)."""
+    defaults = GenerationConfig()._get_default_generation_params()
+    sources = (
+        ("generate()", {n: _explicit(call, n, defaults) for n in _LENGTH_FIELDS}),
+        (
+            "drafter.generation_config",
+            {n: getattr(drafter.generation_config, n, None) for n in _LENGTH_FIELDS},
+        ),
+    )
+    threshold = float(next((t for _, s in sources if (t := s["assistant_confidence_threshold"])), 0.0))
+    start = spec.max_draft_length
+    if explicit_spec:
+        return spec.draft_length, "cache_config", threshold, start
+    for source, values in sources:
+        tokens, schedule = values["num_assistant_tokens"], values["num_assistant_tokens_schedule"]
+        if schedule in ("heuristic", "heuristic_transient"):
+            start = min(int(tokens or defaults["num_assistant_tokens"]), spec.max_draft_length)
+            return "heuristic", source, threshold, start
+        if tokens is not None:
+            if tokens > spec.slack:
+                raise ValueError(
+                    f"num_assistant_tokens={tokens} exceeds the draft cache's rollback slack ({spec.slack}); pass "
+                    f"cache_config={{'slack': {int(tokens)}, ...}} or lower num_assistant_tokens"
+                )
+            return int(tokens), source, threshold, start
+    return spec.draft_length, "default", threshold, start
+
+
+def lean_step_choice(asked: bool | str, static: bool, drafter, rules: DeviceRules) -> tuple[bool, str | None]:
+    """`(lean step on, why not)` for a call: `"auto"` turns it on with a static cache and a drafter it can run, on a
+    device whose rules allow it."""
+    if asked is False:
+        return False, None
+    problem = None if static else "the draft cache is not static"
+    problem = problem or lean_step_problem(drafter)
+    if asked is True and problem is not None:
+        raise ValueError(
+            f"lean_step=True, but {problem}; drop lean_step (or set it to 'auto') to draft with the drafter's own "
+            "forward"
+        )
+    if asked == AUTO and problem is None and not rules.lean_step:
+        problem = f"{rules.device_type}: {rules.reasons['lean_step']}"
+    return problem is None, problem
+
+
+def asked_or(value, batched: bool, rule: str) -> str:
+    """The reason of a choice: the caller's setting, a batch's ragged caches, or the device rule."""
+    if batched:
+        return "a batch drafts on ragged per-row caches"
+    return "cache_config" if value != AUTO else rule
+
+
+def window_choice(spec: DraftSpec, drafter, batched: bool, rules: DeviceRules) -> tuple[int | None, str]:
+    """`(prefill window, why)`: `"auto"` windows where the drafter allows it, on a device whose rules allow it."""
+    window = spec.resolved_prefill_window(drafter.config, batched)
+    if spec.prefill_window != AUTO or batched:
+        return window, asked_or(spec.prefill_window, batched, "")
+    if window is None:
+        return None, "the drafter's layers or its policy's prefill queries need a full prefill"
+    return (window if rules.prefill_window else None), rules.reasons["prefill_window"]
+
+
+def compile_choice(
+    spec: DraftSpec, static: bool, lean: bool, drafter, call: GenerationConfig, rules: DeviceRules
+) -> tuple[bool, CompileConfig, str]:
+    """`(compile the one-token draft step, how, why)`; an explicit compile config on the drafter means "compile"."""
+    asked = drafter.generation_config.compile_config
+    config = asked or draft_step_compile_config(drafter.device)
+    compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
+    if compiled is True and not static:
+        raise ValueError(
+            "compile=True compiles the step of a static draft cache; drop compile or set static=True"
+        )
+    if call.disable_compile:
+        return False, config, "generate(disable_compile=True)"
+    if not static:
+        return False, config, "the draft cache is not static"
+    if compiled != AUTO:
+        return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
+    if rules.compile_from_first_call:
+        return True, config, rules.reasons["compile_from_first_call"]
+    pays = compile_pays(drafter, config, lean)
+    return pays, config, rules.reasons["compile_from_first_call"] + ("" if pays else " (not yet)")
