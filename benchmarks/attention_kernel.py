@@ -42,7 +42,7 @@ def gemm_gflops(size: int, repeats: int) -> float:
     return 2 * size**3 / median_seconds(lambda: a @ b, repeats) / 1e9
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -62,67 +62,59 @@ def main() -> None:
             )
     if not 1 <= args.kv_heads <= 256 or not 1 <= args.repeats <= 1000 or not 64 <= args.gemm_size <= 8192:
         parser.error("--kv-heads in [1, 256], --repeats in [1, 1000], --gemm-size in [64, 8192]")
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if flash is None:
+    if getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None) is None:
         parser.error("this torch build has no CPU flash attention kernel")
+    return args
 
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    peak = gemm_gflops(args.gemm_size, args.repeats)
-    records, fits = [], []
-    generator = torch.Generator().manual_seed(0)
-    for context in args.contexts:
-        for head_dim in args.head_dims:
-            shape = (1, args.kv_heads, context, head_dim)
-            key, value = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-            times = {rows: [] for rows in args.rows}
-            queries = {rows: torch.randn(1, args.kv_heads, rows, head_dim) for rows in args.rows}
-            for rows in args.rows:  # warm-up
-                flash(queries[rows], key, value, 0.0, False, scale=head_dim**-0.5)
-            for _ in range(args.repeats):  # interleaved: drift does not favour one row count
-                for rows in args.rows:
-                    start = time.perf_counter()
-                    flash(queries[rows], key, value, 0.0, False, scale=head_dim**-0.5)
-                    times[rows].append(time.perf_counter() - start)
-            medians = {rows: statistics.median(t) for rows, t in times.items()}
-            for rows, seconds in medians.items():
-                flops = 4 * args.kv_heads * rows * context * head_dim
-                records.append(
-                    {
-                        "context_length": context,
-                        "head_dim": head_dim,
-                        "rows": rows,
-                        "ms_median": 1e3 * seconds,
-                        "gflops": flops / seconds / 1e9,
-                        "share_of_gemm_peak": flops / seconds / 1e9 / peak,
-                        "kv_gb_per_s": 2 * key.numel() * key.element_size() / seconds / 1e9,
-                    }
-                )
-            rows_axis = np.array(list(medians), dtype=float)
-            slope, intercept = np.polyfit(rows_axis, 1e3 * np.array(list(medians.values())), 1)
-            fits.append(
-                {"context_length": context, "head_dim": head_dim, "ms_fixed": intercept, "ms_per_row": slope}
-            )
-            print(
-                f"context {context}, D {head_dim}: "
-                + ", ".join(f"{r} rows {1e3 * s:.2f} ms" for r, s in medians.items()),
-                flush=True,
-            )
 
-    summary = {
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "gemm_gflops": peak,
-        "records": records,
-        "fits": fits,
+def measure_cell(flash, context: int, head_dim: int, args, generator, peak: float) -> tuple[list[dict], dict]:
+    """`(records, fit)` of one context and head dim: the kernel's median time per query row count, interleaved,
+    and the least-squares line `ms = fixed + per_row · rows`."""
+    shape = (1, args.kv_heads, context, head_dim)
+    key, value = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    times = {rows: [] for rows in args.rows}
+    queries = {rows: torch.randn(1, args.kv_heads, rows, head_dim) for rows in args.rows}
+    for rows in args.rows:  # warm-up
+        flash(queries[rows], key, value, 0.0, False, scale=head_dim**-0.5)
+    for _ in range(args.repeats):  # interleaved: drift does not favour one row count
+        for rows in args.rows:
+            start = time.perf_counter()
+            flash(queries[rows], key, value, 0.0, False, scale=head_dim**-0.5)
+            times[rows].append(time.perf_counter() - start)
+    medians = {rows: statistics.median(t) for rows, t in times.items()}
+    records = []
+    for rows, seconds in medians.items():
+        flops = 4 * args.kv_heads * rows * context * head_dim
+        records.append(
+            {
+                "context_length": context,
+                "head_dim": head_dim,
+                "rows": rows,
+                "ms_median": 1e3 * seconds,
+                "gflops": flops / seconds / 1e9,
+                "share_of_gemm_peak": flops / seconds / 1e9 / peak,
+                "kv_gb_per_s": 2 * key.numel() * key.element_size() / seconds / 1e9,
+            }
+        )
+    rows_axis = np.array(list(medians), dtype=float)
+    slope, intercept = np.polyfit(rows_axis, 1e3 * np.array(list(medians.values())), 1)
+    print(
+        f"context {context}, D {head_dim}: "
+        + ", ".join(f"{r} rows {1e3 * s:.2f} ms" for r, s in medians.items()),
+        flush=True,
+    )
+    return records, {
+        "context_length": context,
+        "head_dim": head_dim,
+        "ms_fixed": intercept,
+        "ms_per_row": slope,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "attention_kernel.json").write_text(json.dumps(summary, indent=2))
+
+
+def markdown(summary: dict, args) -> list[str]:
+    """The report's lines: every record, the per-cell fits, and how they were measured."""
+    records, fits, peak = summary["records"], summary["fits"], summary["gemm_gflops"]
+    load_before = summary["load_average_before"]
     lines = [
         "| context | head dim | rows | ms | GFLOPS | share of sgemm peak | KV read (GB/s) |",
         "|---|---|---|---|---|---|---|",
@@ -151,6 +143,38 @@ def main() -> None:
         f"{load_before[0]:.2f} / {summary['load_average_after'][0]:.2f} ({os.cpu_count()} CPUs). A verification "
         "of q tokens reads G·q rows (G query heads per KV head), a one-token step G rows.",
     ]
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    peak = gemm_gflops(args.gemm_size, args.repeats)
+    records, fits = [], []
+    generator = torch.Generator().manual_seed(0)
+    for context in args.contexts:
+        for head_dim in args.head_dims:
+            cell_records, fit = measure_cell(flash, context, head_dim, args, generator, peak)
+            records += cell_records
+            fits.append(fit)
+
+    summary = {
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
+        "gemm_gflops": peak,
+        "records": records,
+        "fits": fits,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "attention_kernel.json").write_text(json.dumps(summary, indent=2))
+    lines = markdown(summary, args)
     (args.output_dir / "attention_kernel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
