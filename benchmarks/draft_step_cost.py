@@ -66,7 +66,7 @@ def bootstrap_ratio_ci(
     return float(ratios.quantile(0.025)), float(ratios.quantile(0.975))
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -86,76 +86,57 @@ def main() -> None:
     args = parser.parse_args()
     if max(args.contexts) > 262144 or args.repeats > 1000 or args.steps > 256:
         parser.error("contexts <= 262144, repeats <= 1000, steps <= 256")
+    return parser, args
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+
+def load_drafter(parser: argparse.ArgumentParser, args):
+    """The bundled drafter (`--demo-drafter`) or a random one of the shape `random_llama_config` documents."""
     if args.demo_drafter:
         from hf_budgetdraft.demo import load_demo_models
 
         model = load_demo_models().drafter
         if max(args.contexts) + args.steps > model.config.max_position_embeddings:
             parser.error(f"the demo drafter's positions end at {model.config.max_position_embeddings}")
-    else:  # a random drafter of the shape `random_llama_config` documents
-        model = LlamaForCausalLM(random_llama_config(2, max(args.contexts) + args.steps + 1)).eval()
-    config = model.config
-    static_model = copy.deepcopy(model)  # same weights, on the attention a static cache needs
-    static_model.set_attn_implementation("budgetdraft_varlen")
-    steppers = {
-        "full": model,
-        "sink_window": model,
-        "budgeted": model,
-        "budgeted_compiled": static_model.get_compiled_call(draft_step_compile_config(static_model.device)),
-    }
+        return model
+    return LlamaForCausalLM(random_llama_config(2, max(args.contexts) + args.steps + 1)).eval()
+
+
+def measure_context(context: int, model, static_model, steppers: dict, args) -> list[dict]:
+    """One record per cache at `context`: the median block time over interleaved repeats, the draft KV bytes and,
+    against the full cache, the speed-up with its bootstrap interval."""
     token = torch.tensor([[7]])
-    records = []
-    for context in args.contexts:
-        prompt = torch.randint(0, config.vocab_size, (1, context))
-        caches = make_caches(config, static_model.config, args)
-        with torch.inference_mode():
-            for name, cache in caches.items():  # the prefill runs eager
-                (static_model if name == "budgeted_compiled" else model)(
-                    prompt, cache=cache, logits_to_keep=1
-                )
-        times: dict[str, list[float]] = {name: [] for name in caches}
-        for name, cache in caches.items():  # warm-up (and the one compilation), untimed
-            time_block(steppers[name], cache, context, args.steps, token)
-        for _ in range(args.repeats):
-            for name, cache in caches.items():
-                times[name].append(time_block(steppers[name], cache, context, args.steps, token))
+    prompt = torch.randint(0, model.config.vocab_size, (1, context))
+    caches = make_caches(model.config, static_model.config, args)
+    with torch.inference_mode():
+        for name, cache in caches.items():  # the prefill runs eager
+            (static_model if name == "budgeted_compiled" else model)(prompt, cache=cache, logits_to_keep=1)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    for name, cache in caches.items():  # warm-up (and the one compilation), untimed
+        time_block(steppers[name], cache, context, args.steps, token)
+    for _ in range(args.repeats):
         for name, cache in caches.items():
-            record = {
-                "context_length": context,
-                "cache": name,
-                "step_ms_median": 1e3 * statistics.median(times[name]),
-                "step_ms_all": [1e3 * t for t in times[name]],
-                "draft_cache_bytes": cache_nbytes(cache),
-            }
-            if name != "full":
-                low, high = bootstrap_ratio_ci(times["full"], times[name])
-                record["full_over_this"] = statistics.median(times["full"]) / statistics.median(times[name])
-                record["full_over_this_ci95"] = [low, high]
-            records.append(record)
-        line = ", ".join(f"{r['cache']} {r['step_ms_median']:.2f} ms" for r in records[-len(caches) :])
-        print(f"context {context}: {line}", flush=True)
+            times[name].append(time_block(steppers[name], cache, context, args.steps, token))
+    records = []
+    for name, cache in caches.items():
+        record = {
+            "context_length": context,
+            "cache": name,
+            "step_ms_median": 1e3 * statistics.median(times[name]),
+            "step_ms_all": [1e3 * t for t in times[name]],
+            "draft_cache_bytes": cache_nbytes(cache),
+        }
+        if name != "full":
+            low, high = bootstrap_ratio_ci(times["full"], times[name])
+            record["full_over_this"] = statistics.median(times["full"]) / statistics.median(times[name])
+            record["full_over_this_ci95"] = [low, high]
+        records.append(record)
+    line = ", ".join(f"{r['cache']} {r['step_ms_median']:.2f} ms" for r in records)
+    print(f"context {context}: {line}", flush=True)
+    return records
 
-    def median_ms(cache: str, context: int) -> float:
-        return next(
-            r["step_ms_median"] for r in records if r["cache"] == cache and r["context_length"] == context
-        )
 
-    lo, hi = min(args.contexts), max(args.contexts)
-    growth = {name: median_ms(name, hi) / median_ms(name, lo) for name in steppers}
-    summary = {
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "processor_count": torch.get_num_threads(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "growth_from_min_to_max_context": growth,
-        "records": records,
-    }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "draft_step_cost.json").write_text(json.dumps(summary, indent=2))
+def markdown(records: list[dict], growth: dict, args) -> str:
+    """The report: per context the step times, the speed-ups over the full cache and the draft KV sizes."""
 
     def ratio(record: dict) -> str:
         low, high = record["full_over_this_ci95"]
@@ -177,11 +158,49 @@ def main() -> None:
         )
     rows.append("")
     rows.append(
-        f"Step-cost growth {lo} -> {hi} tokens: "
+        f"Step-cost growth {min(args.contexts)} -> {max(args.contexts)} tokens: "
         + ", ".join(f"{name} x{value:.2f}" for name, value in growth.items())
         + f" ({args.threads} torch threads, {args.repeats} interleaved repeats of {args.steps} steps, medians)."
     )
-    table = "\n".join(rows)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser, args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = load_drafter(parser, args)
+    static_model = copy.deepcopy(model)  # same weights, on the attention a static cache needs
+    static_model.set_attn_implementation("budgetdraft_varlen")
+    steppers = {
+        "full": model,
+        "sink_window": model,
+        "budgeted": model,
+        "budgeted_compiled": static_model.get_compiled_call(draft_step_compile_config(static_model.device)),
+    }
+    records = []
+    for context in args.contexts:
+        records += measure_context(context, model, static_model, steppers, args)
+
+    def median_ms(cache: str, context: int) -> float:
+        return next(
+            r["step_ms_median"] for r in records if r["cache"] == cache and r["context_length"] == context
+        )
+
+    lo, hi = min(args.contexts), max(args.contexts)
+    growth = {name: median_ms(name, hi) / median_ms(name, lo) for name in steppers}
+    summary = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor_count": torch.get_num_threads(),
+        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
+        "growth_from_min_to_max_context": growth,
+        "records": records,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "draft_step_cost.json").write_text(json.dumps(summary, indent=2))
+    table = markdown(records, growth, args)
     (args.output_dir / "draft_step_cost.md").write_text(table + "\n")
     print(table)
 
