@@ -116,7 +116,7 @@ def card(title: str, body: str, metrics: dict) -> str:
     return f"# {title}\n\n{body.strip()}\n\n## Measured (bundled bf16 weights, loaded in fp32, CPU)\n\n| metric | value |\n|---|---|\n{rows}\n"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -133,7 +133,11 @@ def main() -> None:
     parser.add_argument("--passkey-lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--passkey-samples", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
 
     export_folder(args.target, "target")
