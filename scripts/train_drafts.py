@@ -86,7 +86,7 @@ def agreement(student_logits, teacher_logits) -> float:
     return (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean().item()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -104,8 +104,50 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def distill_step(
+    target, drafter, mtp, ids, positions, optimizer, parameters
+) -> tuple[float, float, float, float]:
+    """One optimizer step of the drafter and the MTP layer towards the target's distribution at every position of
+    `ids` `(B, L)`; `(drafter KL, MTP KL, drafter top-1 agreement, MTP top-1 agreement)`."""
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = target(input_ids=ids, position_ids=positions, attention_mask=mask, output_hidden_states=True)
+    teacher, hidden = out.logits, out.hidden_states[-1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        draft = drafter(input_ids=ids, position_ids=positions, attention_mask=mask).logits
+        mtp_draft = mtp_logits(mtp, ids[:, 1:], hidden[:, :-1], positions[:, 1:])
+    drafter_loss, mtp_loss = kl(draft, teacher), kl(mtp_draft, teacher[:, 1:])
+    (drafter_loss + mtp_loss).backward()
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (
+        drafter_loss.item(),
+        mtp_loss.item(),
+        agreement(draft, teacher),
+        agreement(mtp_draft, teacher[:, 1:]),
+    )
+
+
+def save_checkpoint(checkpoint: Path, drafter, mtp, optimizer, step: int, sampler) -> None:
+    """What `--resume` reads back, written whole before it replaces the previous one."""
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    state = {
+        "drafter": drafter.state_dict(),
+        "mtp_layers": mtp.layers.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "sampler_rng": sampler.rng.getstate(),
+    }
+    torch.save(state, checkpoint / "state.tmp")
+    (checkpoint / "state.tmp").rename(checkpoint / "state.pt")
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -146,31 +188,10 @@ def main() -> None:
             *(sampler.sample(args.length, TRAINING_MIX) for _ in range(args.batch)), strict=True
         )
         ids, positions = torch.tensor(rows)[:, :-1], torch.tensor(row_positions)[:, :-1]
-        mask = torch.ones_like(ids)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = target(
-                input_ids=ids, position_ids=positions, attention_mask=mask, output_hidden_states=True
-            )
-        teacher, hidden = out.logits, out.hidden_states[-1]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            draft = drafter(input_ids=ids, position_ids=positions, attention_mask=mask).logits
-            mtp_draft = mtp_logits(mtp, ids[:, 1:], hidden[:, :-1], positions[:, 1:])
-        drafter_loss, mtp_loss = kl(draft, teacher), kl(mtp_draft, teacher[:, 1:])
-        (drafter_loss + mtp_loss).backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        history.append(distill_step(target, drafter, mtp, ids, positions, optimizer, parameters))
         step += 1
-        history.append(
-            (
-                drafter_loss.item(),
-                mtp_loss.item(),
-                agreement(draft, teacher),
-                agreement(mtp_draft, teacher[:, 1:]),
-            )
-        )
         if step % 20 == 0:
             means = [round(sum(column) / len(column), 4) for column in zip(*history, strict=True)]
             record = dict(zip(["drafter_kl", "mtp_kl", "drafter_top1", "mtp_top1"], means, strict=True))
@@ -180,16 +201,7 @@ def main() -> None:
             with open(args.out / "log.jsonl", "a") as log:
                 log.write(json.dumps(record) + "\n")
         if step % args.save_every == 0 or step == args.steps:
-            checkpoint.mkdir(parents=True, exist_ok=True)
-            state = {
-                "drafter": drafter.state_dict(),
-                "mtp_layers": mtp.layers.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "step": step,
-                "sampler_rng": sampler.rng.getstate(),
-            }
-            torch.save(state, checkpoint / "state.tmp")
-            (checkpoint / "state.tmp").rename(checkpoint / "state.pt")
+            save_checkpoint(checkpoint, drafter, mtp, optimizer, step, sampler)
 
     drafter.eval().save_pretrained(args.out / "drafter", safe_serialization=True)
     tokenizer.save_pretrained(args.out / "drafter")
