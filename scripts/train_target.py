@@ -197,7 +197,7 @@ def eval_loss(model, tokenizer, corpus: Path, length: int, windows: int = 4) -> 
     return sum(losses) / len(losses)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -233,8 +233,52 @@ def main() -> None:
         action="store_true",
         help="RMSNorm on q/k (GLM-4's option; it slows sharp early attention)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def train_step(model, optimizer, ids, positions, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on rows `ids` `(B, L + 1)` scored where `mask` `(B, L)` says; `(loss, per-row losses (B,))`."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(
+            input_ids=ids[:, :-1],
+            position_ids=positions[:, :-1],
+            attention_mask=torch.ones_like(ids[:, :-1]),
+        ).logits
+    token_losses = torch.nn.functional.cross_entropy(
+        logits.float().transpose(1, 2), ids[:, 1:], reduction="none"
+    )  # (batch, length)
+    # every row weighs the same, however few of its tokens are scored (a passkey row scores only its answer)
+    row_losses = (token_losses * mask).sum(1) / mask.sum(1).clamp(min=1)
+    loss = row_losses.mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, row_losses
+
+
+def save_checkpoint(out: Path, checkpoint: Path, model, optimizer, step: int, sampler) -> None:
+    """What `--resume` reads back, written whole beside the previous one before it replaces it."""
+    tmp = out / "checkpoint.tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "sampler_rng": sampler.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        tmp / "state.pt",
+    )
+    if checkpoint.exists():
+        for f in checkpoint.iterdir():
+            f.unlink()
+        checkpoint.rmdir()
+    tmp.rename(checkpoint)
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -278,24 +322,9 @@ def main() -> None:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(
-                input_ids=ids[:, :-1],
-                position_ids=positions[:, :-1],
-                attention_mask=torch.ones_like(ids[:, :-1]),
-            ).logits
-        token_losses = torch.nn.functional.cross_entropy(
-            logits.float().transpose(1, 2), ids[:, 1:], reduction="none"
-        )  # (batch, length)
-        # every row weighs the same, however few of its tokens are scored (a passkey row scores only its answer)
-        row_losses = (token_losses * mask).sum(1) / mask.sum(1).clamp(min=1)
-        loss = row_losses.mean()
-        loss.backward()
+        loss, row_losses = train_step(model, optimizer, ids, positions, mask)
         for kind, row_loss in zip(kinds, row_losses.tolist(), strict=True):
             kind_losses.setdefault(kind, []).append(row_loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += ids[:, :-1].numel()
         record = {"step": step, "loss": round(loss.item(), 4), "length": length, "lr": lr_at(step - 1, args)}
@@ -314,22 +343,7 @@ def main() -> None:
         with open(args.out / "log.jsonl", "a") as log:
             log.write(json.dumps(record) + "\n")
         if step % args.save_every == 0 or step == args.steps:
-            tmp = args.out / "checkpoint.tmp"
-            model.save_pretrained(tmp, safe_serialization=True)
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "sampler_rng": sampler.rng.getstate(),
-                    "torch_rng": torch.get_rng_state(),
-                },
-                tmp / "state.pt",
-            )
-            if checkpoint.exists():
-                for f in checkpoint.iterdir():
-                    f.unlink()
-                checkpoint.rmdir()
-            tmp.rename(checkpoint)
+            save_checkpoint(args.out, checkpoint, model, optimizer, step, sampler)
 
 
 if __name__ == "__main__":
