@@ -110,7 +110,7 @@ def measure(target, drafter, args, budgets, prompts) -> dict:
     return results
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -138,53 +138,53 @@ def main() -> None:
     parser.add_argument("--compare_full_only", action="store_true", help="also train with λ = 0 (ablation)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    prefix = max(args.contexts)
+    return parser.parse_args()
 
-    started = time.perf_counter()
-    generator = torch.Generator().manual_seed(args.seed + 2)
-    if args.target:
-        target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-        if args.drafter:
-            drafter = AutoModelForCausalLM.from_pretrained(args.drafter).eval()
-        else:
-            drafter = first_layers(target, args.draft_layers)
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
 
-        def text_rows(files, count):
-            documents = load_text_dataset(data_files=files, text_column=args.text_column)
-            packed = pack_dataset(
-                documents, tokenizer, prefix + args.continuation, text_column=args.text_column
-            )
-            return packed.shuffle(seed=args.seed).select(range(min(count, len(packed))))
-
-        rows = text_rows(args.data_files, args.rows)
-        held_out = text_rows(args.eval_files, 16 + args.prompts)
-        eval_ids = torch.tensor(held_out["input_ids"][16:])  # prompts: the ends of other held-out windows
-        held_out = held_out.select(range(16))
-        prompts = {
-            c: [eval_ids[i : i + 1, prefix - c : prefix] for i in range(len(eval_ids))] for c in args.contexts
-        }
-        pair = f"{args.target} / {args.drafter or f'its first {args.draft_layers} layers + head'}"
+def pair_from_folders(args, prefix: int):
+    """`(target, drafter, training rows, 16 held-out rows, prompts per context, the pair's description)` of
+    `--target` (and `--drafter`, else the target's first `--draft_layers` layers) on `--data_files` / `--eval_files`."""
+    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    if args.drafter:
+        drafter = AutoModelForCausalLM.from_pretrained(args.drafter).eval()
     else:
-        target, drafter = structured_random_pair(
-            args.seed, vocab=256, target_layers=4, draft_layers=args.draft_layers
-        )
-        rows = self_distillation_rows(target, args.rows, prefix, args.continuation, args.seed)
-        held_out = self_distillation_rows(target, 16, prefix, args.continuation, args.seed + 1)
-        vocab = target.config.vocab_size
-        prompts = {
-            c: [torch.randint(0, vocab, (1, c), generator=generator) for _ in range(args.prompts)]
-            for c in args.contexts
-        }
-        pair = (
-            f"structured random Llama: target 4 layers, drafter = its first {args.draft_layers} layers + head"
-        )
-    # the teacher is the expensive part: its targets are computed once and reused every epoch
-    rows = precompute_teacher_targets(rows, target, prefix, args.continuation, batch_size=2)
+        drafter = first_layers(target, args.draft_layers)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
 
+    def text_rows(files, count):
+        documents = load_text_dataset(data_files=files, text_column=args.text_column)
+        packed = pack_dataset(documents, tokenizer, prefix + args.continuation, text_column=args.text_column)
+        return packed.shuffle(seed=args.seed).select(range(min(count, len(packed))))
+
+    rows = text_rows(args.data_files, args.rows)
+    held_out = text_rows(args.eval_files, 16 + args.prompts)
+    eval_ids = torch.tensor(held_out["input_ids"][16:])  # prompts: the ends of other held-out windows
+    held_out = held_out.select(range(16))
+    prompts = {
+        c: [eval_ids[i : i + 1, prefix - c : prefix] for i in range(len(eval_ids))] for c in args.contexts
+    }
+    pair = f"{args.target} / {args.drafter or f'its first {args.draft_layers} layers + head'}"
+    return target, drafter, rows, held_out, prompts, pair
+
+
+def structured_pair(args, prefix: int, generator):
+    """The same six as `pair_from_folders`, for the structured random pair trained on its own continuations."""
+    target, drafter = structured_random_pair(
+        args.seed, vocab=256, target_layers=4, draft_layers=args.draft_layers
+    )
+    rows = self_distillation_rows(target, args.rows, prefix, args.continuation, args.seed)
+    held_out = self_distillation_rows(target, 16, prefix, args.continuation, args.seed + 1)
+    vocab = target.config.vocab_size
+    prompts = {
+        c: [torch.randint(0, vocab, (1, c), generator=generator) for _ in range(args.prompts)]
+        for c in args.contexts
+    }
+    pair = f"structured random Llama: target 4 layers, drafter = its first {args.draft_layers} layers + head"
+    return target, drafter, rows, held_out, prompts, pair
+
+
+def training_runs(args, prefix: int) -> dict[str, BudgetDraftConfig]:
+    """The BudgetDraft run and, with `--compare_full_only`, its λ = 0 ablation (the same steps with L_A only)."""
     config = BudgetDraftConfig(
         output_dir=str(args.output_dir / "run"),
         prefix_length=prefix,
@@ -205,32 +205,16 @@ def main() -> None:
         disable_tqdm=True,
         seed=args.seed,
     )
-    variants = {"untrained": copy.deepcopy(drafter)}
-    evals, accept = {}, {}
     runs = {"budgetdraft": config}
-    if (
-        args.compare_full_only
-    ):  # ablation: the same steps with L_A only (conventional full-cache distillation)
+    if args.compare_full_only:  # ablation: conventional full-cache distillation
         runs["full_only"] = dataclasses.replace(
             config, sparse_loss_weight=0.0, output_dir=str(args.output_dir / "full_only")
         )
-    for name, run_config in runs.items():
-        trainer = BudgetDraftTrainer(
-            model=copy.deepcopy(variants["untrained"]),
-            teacher=target,
-            args=run_config,
-            train_dataset=rows,
-            eval_dataset=held_out,
-        )
-        if "untrained" not in evals:
-            evals["untrained"] = trainer.evaluate()
-        trainer.train()
-        evals[name] = trainer.evaluate()
-        variants[name] = trainer.model.eval()
-    for name, model in variants.items():
-        accept[name] = measure(target, model, args, args.budgets, prompts)
+    return runs
 
-    names = list(variants)
+
+def markdown_tables(evals: dict, accept: dict, names: list[str], args) -> tuple[list[str], list[str]]:
+    """`(teacher-forced agreement per branch, mean accepted length per context and budget)` as table lines."""
     agreement_table = [
         "| teacher-forced greedy agreement | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
@@ -251,6 +235,43 @@ def main() -> None:
             accept_table.append(
                 f"| {context} | {budget} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {gain:+.0%} |"
             )
+    return agreement_table, accept_table
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    prefix = max(args.contexts)
+
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    if args.target:
+        target, drafter, rows, held_out, prompts, pair = pair_from_folders(args, prefix)
+    else:
+        target, drafter, rows, held_out, prompts, pair = structured_pair(args, prefix, generator)
+    # the teacher is the expensive part: its targets are computed once and reused every epoch
+    rows = precompute_teacher_targets(rows, target, prefix, args.continuation, batch_size=2)
+
+    variants = {"untrained": copy.deepcopy(drafter)}
+    evals, accept = {}, {}
+    for name, run_config in training_runs(args, prefix).items():
+        trainer = BudgetDraftTrainer(
+            model=copy.deepcopy(variants["untrained"]),
+            teacher=target,
+            args=run_config,
+            train_dataset=rows,
+            eval_dataset=held_out,
+        )
+        if "untrained" not in evals:
+            evals["untrained"] = trainer.evaluate()
+        trainer.train()
+        evals[name] = trainer.evaluate()
+        variants[name] = trainer.model.eval()
+    for name, model in variants.items():
+        accept[name] = measure(target, model, args, args.budgets, prompts)
+
+    agreement_table, accept_table = markdown_tables(evals, accept, list(variants), args)
     record = {
         "pair": pair,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
