@@ -110,7 +110,7 @@ def time_forward(model, cache, tokens: torch.Tensor, context: int, inner: int) -
     return (time.perf_counter() - start) / inner
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -144,104 +144,78 @@ def main() -> None:
         parser.error("contexts <= 131072, repeats <= 1000, inner <= 100, verify lengths <= 64")
     if min(args.verify_lengths) < 1 or min(args.contexts) < 1 or args.repeats < 2:
         parser.error("verify lengths >= 1, contexts >= 1, repeats >= 2 (for intervals)")
-    lengths = sorted(set(args.verify_lengths) | {1})
+    return args
 
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
-        f"{load_before[0]:.2f}; run alone: other busy processes distort these timings",
-        flush=True,
-    )
-    torch.manual_seed(args.seed)
-    config = target_config(max(args.contexts) + max(lengths) + 1)
-    dtype = getattr(torch, args.dtype)
+
+def build_models(config, dtype: torch.dtype, setups: list[str]) -> tuple[dict, int]:
+    """`(attention implementation -> model, parameter count)`: one random Llama's weights under every attention the
+    setups (and the shared prefill) run."""
     base = LlamaForCausalLM(config).to(dtype).eval()
     models = {}  # one model per attention implementation, same weights
-    for attn in dict.fromkeys([SETUPS[name][0] for name in args.setups] + ["budgetdraft_sdpa"]):
+    for attn in dict.fromkeys([SETUPS[name][0] for name in setups] + ["budgetdraft_sdpa"]):
         # own config: it holds the attention choice
         models[attn] = LlamaForCausalLM(copy.deepcopy(config)).to(dtype).eval()
         models[attn].load_state_dict(base.state_dict())
         models[attn].set_attn_implementation(attn)
-    num_parameters = sum(p.numel() for p in base.parameters())
-    del base
+    return models, sum(p.numel() for p in base.parameters())
 
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (1, max(args.contexts)), generator=generator)
-    block = torch.randint(0, config.vocab_size, (1, max(lengths)), generator=generator)
-    master = GrowableCache(config=config, initial_capacity=max(args.contexts))
-    done = 0
-    records, checks = [], []
-    for context in sorted(args.contexts):
-        # extend the shared prefill (causal: the shorter prompt's KV is a prefix of the longer one's), in chunks so
-        # no (chunk, context) mask or score matrix is ever large
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for first in range(done, context, PREFILL_CHUNK):
-                chunk = prompt[:, first : min(first + PREFILL_CHUNK, context)]
-                models["budgetdraft_sdpa"](chunk, cache=master, logits_to_keep=1)
-        prefill_s = time.perf_counter() - start
-        done = context
-        keys_values = [(layer.keys, layer.values) for layer in master.layers]
-        caches = {
-            name: fill_cache(SETUPS[name][1], config, keys_values, extra=max(lengths) + 8)
-            for name in args.setups
+
+@torch.inference_mode()
+def check_logits(models: dict, caches: dict, block, context: int, args) -> list[dict]:
+    """Every setup's logits for `block` against the first setup's (and every path warmed up)."""
+    logits = {}
+    for name in args.setups:
+        q = block.shape[1]
+        logits[name] = models[SETUPS[name][0]](
+            block, cache=caches[name], position_ids=torch.arange(context, context + q)[None]
+        ).logits
+        caches[name].crop(-q)
+    reference = logits[args.setups[0]]
+    return [
+        {
+            "context_length": context,
+            "setup": name,
+            "vs": args.setups[0],
+            "max_abs_logit_diff": (logits[name] - reference).abs().max().item(),
+            "same_argmax": bool(torch.equal(logits[name].argmax(-1), reference.argmax(-1))),
         }
+        for name in args.setups[1:]
+    ]
 
-        with torch.inference_mode():  # the fast path computes the stock logits (and warms every path up)
-            logits = {}
-            for name in args.setups:
-                model = models[SETUPS[name][0]]
-                q = max(lengths)
-                logits[name] = model(
-                    block, cache=caches[name], position_ids=torch.arange(context, context + q)[None]
-                ).logits
-                caches[name].crop(-q)
-            reference = logits[args.setups[0]]
-            for name in args.setups[1:]:
-                checks.append(
-                    {
-                        "context_length": context,
-                        "setup": name,
-                        "vs": args.setups[0],
-                        "max_abs_logit_diff": (logits[name] - reference).abs().max().item(),
-                        "same_argmax": bool(torch.equal(logits[name].argmax(-1), reference.argmax(-1))),
-                    }
-                )
 
-        times = {(name, q): [] for name in args.setups for q in lengths}
-        order = [(name, q) for q in lengths for name in args.setups]
-        for round_idx in range(args.repeats):
-            shift = round_idx % len(order)  # rotate the order so drift does not favour one cell
-            for name, q in order[shift:] + order[:shift]:
-                model = models[SETUPS[name][0]]
-                times[(name, q)].append(time_forward(model, caches[name], block[:, :q], context, args.inner))
+def context_records(models: dict, caches: dict, block, context: int, lengths: list[int], args) -> list[dict]:
+    """One record per setup and verify length at `context`: median forward time over interleaved rounds (the order
+    rotated each round), against the setup's own one-token step and against stock."""
+    times = {(name, q): [] for name in args.setups for q in lengths}
+    order = [(name, q) for q in lengths for name in args.setups]
+    for round_idx in range(args.repeats):
+        shift = round_idx % len(order)  # rotate the order so drift does not favour one cell
+        for name, q in order[shift:] + order[:shift]:
+            model = models[SETUPS[name][0]]
+            times[(name, q)].append(time_forward(model, caches[name], block[:, :q], context, args.inner))
+    records = []
+    for name in args.setups:
+        step = times[(name, 1)]
+        for q in lengths:
+            record = {
+                "context_length": context,
+                "setup": name,
+                "attn_implementation": SETUPS[name][0],
+                "cache": SETUPS[name][1].__name__,
+                "tokens": q,
+                "ms_median": 1e3 * statistics.median(times[(name, q)]),
+                "ms_all": [1e3 * t for t in times[(name, q)]],
+                "vs_own_one_token_step": ratio(times[(name, q)], step),
+            }
+            if "stock" in args.setups and name != "stock":
+                record["stock_over_this"] = ratio(times[("stock", q)], times[(name, q)])
+                record["vs_stock_one_token_step"] = ratio(times[(name, q)], times[("stock", 1)])
+            records.append(record)
+    return records
 
-        for name in args.setups:
-            step = times[(name, 1)]
-            for q in lengths:
-                record = {
-                    "context_length": context,
-                    "setup": name,
-                    "attn_implementation": SETUPS[name][0],
-                    "cache": SETUPS[name][1].__name__,
-                    "tokens": q,
-                    "ms_median": 1e3 * statistics.median(times[(name, q)]),
-                    "ms_all": [1e3 * t for t in times[(name, q)]],
-                    "vs_own_one_token_step": ratio(times[(name, q)], step),
-                }
-                if "stock" in args.setups and name != "stock":
-                    record["stock_over_this"] = ratio(times[("stock", q)], times[(name, q)])
-                    record["vs_stock_one_token_step"] = ratio(times[(name, q)], times[("stock", 1)])
-                records.append(record)
-        line = ", ".join(
-            f"{r['setup']} q={r['tokens']} {r['ms_median']:.1f} ms"
-            for r in records
-            if r["context_length"] == context
-        )
-        print(f"context {context} (prefill {prefill_s:.1f} s): {line}", flush=True)
 
-    load_after = os.getloadavg()
+def goal_by_context(records: list[dict], args) -> list[dict]:
+    """Per setup and context, the dearest verification of at most `GOAL_MAX_TOKENS` tokens against the goal."""
     goal = []
     for name in args.setups:
         for context in args.contexts:
@@ -264,27 +238,14 @@ def main() -> None:
                         "meets_goal": worst["vs_own_one_token_step"]["median_ratio"] <= GOAL_RATIO,
                     }
                 )
-    summary = {
-        "model": {
-            "parameters": num_parameters,
-            **{k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers")},
-        },
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": load_after,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "goal": f"verify <= {GOAL_MAX_TOKENS} tokens <= {GOAL_RATIO}x a one-token step (own setup)",
-        "goal_by_context": goal,
-        "equivalence_checks": checks,
-        "records": records,
-    }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    stem = "verify_cost" + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    (args.output_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
+    return goal
 
+
+def markdown(summary: dict, lengths: list[int], args) -> str:
+    """The report: times and ratios per context and length, the goal per context, the logit checks, the setting."""
+    records, goal, checks = summary["records"], summary["goal_by_context"], summary["equivalence_checks"]
+    num_parameters = summary["model"]["parameters"]
+    load_before, load_after = summary["load_average_before"], summary["load_average_after"]
     header = "| context | tokens | " + " | ".join(f"{n} (ms)" for n in args.setups)
     header += " | " + " | ".join(f"{n}: q / 1-token [95% CI]" for n in args.setups)
     others = [n for n in args.setups if n != "stock"] if "stock" in args.setups else []
@@ -326,7 +287,73 @@ def main() -> None:
         f"{load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} CPUs) — trust these numbers only from a run "
         "with nothing else busy."
     )
-    table = "\n".join(rows)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    args = parse_args()
+    lengths = sorted(set(args.verify_lengths) | {1})
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
+        f"{load_before[0]:.2f}; run alone: other busy processes distort these timings",
+        flush=True,
+    )
+    torch.manual_seed(args.seed)
+    config = target_config(max(args.contexts) + max(lengths) + 1)
+    models, num_parameters = build_models(config, getattr(torch, args.dtype), args.setups)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, config.vocab_size, (1, max(args.contexts)), generator=generator)
+    block = torch.randint(0, config.vocab_size, (1, max(lengths)), generator=generator)
+    master = GrowableCache(config=config, initial_capacity=max(args.contexts))
+    done = 0
+    records, checks = [], []
+    for context in sorted(args.contexts):
+        # extend the shared prefill (causal: the shorter prompt's KV is a prefix of the longer one's), in chunks so
+        # no (chunk, context) mask or score matrix is ever large
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for first in range(done, context, PREFILL_CHUNK):
+                chunk = prompt[:, first : min(first + PREFILL_CHUNK, context)]
+                models["budgetdraft_sdpa"](chunk, cache=master, logits_to_keep=1)
+        prefill_s = time.perf_counter() - start
+        done = context
+        keys_values = [(layer.keys, layer.values) for layer in master.layers]
+        caches = {
+            name: fill_cache(SETUPS[name][1], config, keys_values, extra=max(lengths) + 8)
+            for name in args.setups
+        }
+        checks += check_logits(
+            models, caches, block, context, args
+        )  # the fast path computes the stock logits
+        new = context_records(models, caches, block, context, lengths, args)
+        records += new
+        line = ", ".join(f"{r['setup']} q={r['tokens']} {r['ms_median']:.1f} ms" for r in new)
+        print(f"context {context} (prefill {prefill_s:.1f} s): {line}", flush=True)
+
+    summary = {
+        "model": {
+            "parameters": num_parameters,
+            **{k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers")},
+        },
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
+        "goal": f"verify <= {GOAL_MAX_TOKENS} tokens <= {GOAL_RATIO}x a one-token step (own setup)",
+        "goal_by_context": goal_by_context(records, args),
+        "equivalence_checks": checks,
+        "records": records,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stem = "verify_cost" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    (args.output_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
+    table = markdown(summary, lengths, args)
     (args.output_dir / f"{stem}.md").write_text(table + "\n")
     print(table)
 
