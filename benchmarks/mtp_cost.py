@@ -44,6 +44,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,7 +127,7 @@ def fit_line(xs: list[float], ys: list[float]) -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, torch.device]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -188,146 +189,159 @@ def main() -> None:
         parser.error(
             "contexts <= 262144, 1 <= depth <= 8, 2 <= gamma <= 16, repeats <= 1000, 0 <= ceiling-window < window"
         )
+    return args, device
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    config = target_config(args.shape, args.depth, max(args.contexts) + 64)
-    dtype = getattr(torch, args.dtype)
-    target = Glm4MoeForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+@dataclass
+class Bench:
+    """What every timed phase of a run shares: the target, its MTP head, the settings."""
+
+    target: Glm4MoeForCausalLM
+    mtp: MtpModel
+    args: argparse.Namespace
+    dtype: torch.dtype
+    device: torch.device
+    absorbed: int  # the accepted tokens and the target's bonus token
+    headline: list[int]  # the γ the report shows
+
+    @property
+    def config(self) -> Glm4MoeConfig:
+        return self.target.config
+
+    @property
+    def slack(self) -> int:
+        return self.absorbed + self.args.gamma
+
+
+def context_caches(bench: Bench, context: int):
+    """`(target cache, MTP caches by method, the windowed layout timed)` at `context`, filled with random keys and
+    values: the native MTP cache, the windowed ring read in place (fast target only), the gathered one and the
+    near-empty-window ceiling."""
+    config, args, dtype, device = bench.config, bench.args, bench.dtype, bench.device
+    heads, dim = config.num_key_value_heads, config.head_dim
+    capacity = context + 2 * bench.slack
     if args.target_setup == "fast":
-        target.set_attn_implementation("budgetdraft_varlen")  # the MTP head shares it (static ring needs it)
-    mtp = MtpModel(target, args.depth).to(device=device, dtype=dtype).eval()
-    heads, dim, hidden = config.num_key_value_heads, config.head_dim, config.hidden_size
-    absorbed = args.accepted + 1  # the accepted tokens and the target's bonus token
-    gammas = list(range(1, args.gamma + 1))
-    headline = sorted({g for g in (1, 3, args.gamma) if g <= args.gamma})
-    slack = absorbed + args.gamma
+        target_cache = GrowableCache(config=config, initial_capacity=capacity)
+    else:
+        target_cache = DynamicCache(config=config)
+    fill(target_cache, config.num_hidden_layers, context, heads, dim, dtype, device)
+    mtp_config = config.get_mtp_config()
+    window = dict(config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=bench.slack)
+    caches = {"native": growable_mtp_cache(mtp_config, capacity)}
+    # reading the ring in place needs budgetdraft_varlen (stock sdpa cannot hide the stale slots)
+    if args.target_setup == "fast":
+        caches["windowed"] = WindowedMtpCache(**window, static=True)
+    caches["windowed_gather"] = WindowedMtpCache(**window)
+    windowed = "windowed" if "windowed" in caches else "windowed_gather"
+    if args.ceiling_window:  # the windowed layout with a near-empty window: what no window can beat
+        ceiling = {**window, "window_length": args.ceiling_window, "static": windowed == "windowed"}
+        caches["ceiling"] = WindowedMtpCache(**ceiling)
+    for cache in caches.values():
+        fill(cache, args.depth, context, heads, dim, dtype, device)
+    return target_cache, caches, windowed
 
-    records = []
-    for context in args.contexts:
-        capacity = context + 2 * slack
-        if args.target_setup == "fast":
-            target_cache = GrowableCache(config=config, initial_capacity=capacity)
-        else:
-            target_cache = DynamicCache(config=config)
-        fill(target_cache, config.num_hidden_layers, context, heads, dim, dtype, device)
-        mtp_config = config.get_mtp_config()
-        window = dict(config=mtp_config, num_sink_tokens=args.sink, window_length=args.window, slack=slack)
-        caches = {"native": growable_mtp_cache(mtp_config, capacity)}
-        # reading the ring in place needs budgetdraft_varlen (stock sdpa cannot hide the stale slots)
-        if args.target_setup == "fast":
-            caches["windowed"] = WindowedMtpCache(**window, static=True)
-        caches["windowed_gather"] = WindowedMtpCache(**window)
-        windowed = "windowed" if "windowed" in caches else "windowed_gather"
-        if args.ceiling_window:  # the windowed layout with a near-empty window: what no window can beat
-            ceiling = {**window, "window_length": args.ceiling_window, "static": windowed == "windowed"}
-            caches["ceiling"] = WindowedMtpCache(**ceiling)
-        for cache in caches.values():
-            fill(cache, args.depth, context, heads, dim, dtype, device)
 
-        def verify(gamma, cache=target_cache, context=context):
-            """The target scores the γ drafts and the token before them: γ + 1 tokens on its full cache."""
-            ids = torch.randint(0, config.vocab_size, (1, gamma + 1), device=device)
-            target(
-                ids, cache=cache, position_ids=torch.arange(context, context + gamma + 1, device=device)[None]
-            )
-            cache.crop(-(gamma + 1))
+def verify(bench: Bench, cache, gamma: int, context: int) -> None:
+    """The target scores the γ drafts and the token before them: γ + 1 tokens on its full cache."""
+    device = bench.device
+    ids = torch.randint(0, bench.config.vocab_size, (1, gamma + 1), device=device)
+    bench.target(
+        ids, cache=cache, position_ids=torch.arange(context, context + gamma + 1, device=device)[None]
+    )
+    cache.crop(-(gamma + 1))
 
-        def draft_round(method, context=context, caches=caches) -> list[float]:
-            """t_ctx_draft (layer 0 absorbs the verified tokens and emits draft 1), then the γ − 1 chained one-token
-            steps that emit drafts 2..γ; rolled back. Returns [t_ctx_draft, t_fwd_draft × (γ − 1)] in seconds."""
-            cache = caches[method]
-            appended = [0] * args.depth
-            state = {
-                "hidden": torch.randn(1, absorbed, hidden, dtype=dtype, device=device),
-                "ids": torch.randint(0, config.vocab_size, (1, absorbed), device=device),
+
+def draft_round(bench: Bench, cache, context: int) -> list[float]:
+    """t_ctx_draft (layer 0 absorbs the verified tokens and emits draft 1), then the γ − 1 chained one-token
+    steps that emit drafts 2..γ; rolled back. Returns [t_ctx_draft, t_fwd_draft × (γ − 1)] in seconds."""
+    args, device, absorbed, mtp = bench.args, bench.device, bench.absorbed, bench.mtp
+    appended = [0] * args.depth
+    state = {
+        "hidden": torch.randn(1, absorbed, bench.config.hidden_size, dtype=bench.dtype, device=device),
+        "ids": torch.randint(0, bench.config.vocab_size, (1, absorbed), device=device),
+    }
+
+    def step(layer, position):
+        """One MTP forward plus the shared head on its last position: the next draft token."""
+        tokens = state["ids"].shape[1]
+        positions = torch.arange(position, position + tokens, device=device)[None]
+        out = mtp.forward_layer(layer, state["hidden"], positions, cache, input_ids=state["ids"])
+        state["hidden"] = out[:, -1:]
+        state["ids"] = mtp._project_to_logits(state["hidden"]).argmax(-1)
+        appended[layer] += tokens
+
+    times = [timed(lambda: step(0, context), device)]
+    for j in range(1, args.gamma):
+        times.append(timed(lambda j=j: step(j % args.depth, context + absorbed + j - 1), device))
+    for layer, tokens in enumerate(appended):
+        if tokens:
+            cache.layers[layer].crop(-tokens)
+    return times
+
+
+def time_context(bench: Bench, target_cache, caches: dict, context: int) -> dict:
+    """Per key, the timings of every repeat after a warm-up block: `("verify", γ)` -> seconds for the headline γ,
+    a method -> its rounds' `[t_ctx_draft, t_fwd_draft, ...]`."""
+    samples = {**{("verify", g): [] for g in bench.headline}, **{m: [] for m in caches}}
+    for repeat in range(bench.args.repeats + 1):  # the first block is a warm-up
+        block = {
+            **{
+                ("verify", g): timed(lambda g=g: verify(bench, target_cache, g, context), bench.device)
+                for g in bench.headline
             }
-
-            def step(layer, position):
-                """One MTP forward plus the shared head on its last position: the next draft token."""
-                tokens = state["ids"].shape[1]
-                positions = torch.arange(position, position + tokens, device=device)[None]
-                out = mtp.forward_layer(layer, state["hidden"], positions, cache, input_ids=state["ids"])
-                state["hidden"] = out[:, -1:]
-                state["ids"] = mtp._project_to_logits(state["hidden"]).argmax(-1)
-                appended[layer] += tokens
-
-            times = [timed(lambda: step(0, context), device)]
-            for j in range(1, args.gamma):
-                times.append(timed(lambda j=j: step(j % args.depth, context + absorbed + j - 1), device))
-            for layer, tokens in enumerate(appended):
-                if tokens:
-                    cache.layers[layer].crop(-tokens)
-            return times
-
-        samples = {**{("verify", g): [] for g in headline}, **{m: [] for m in caches}}
-        for repeat in range(args.repeats + 1):  # the first block is a warm-up
-            block = {**{("verify", g): timed(lambda g=g: verify(g), device) for g in headline}}
-            block.update({m: draft_round(m) for m in caches})
-            if repeat:
-                for key, value in block.items():
-                    samples[key].append(value)
-
-        def draft_s(method, i, g, samples=samples):
-            """Draft seconds of a round of γ = g drafts in repeat i: t_ctx_draft + the first g − 1 steps."""
-            ctx, *fwd = samples[method][i]
-            return ctx + sum(fwd[: g - 1])
-
-        record = {
-            "context_length": context,
-            "verify_ms": {g: 1e3 * statistics.median(samples["verify", g]) for g in headline},
         }
-        for method in caches:
-            record[f"{method}_ctx_ms"] = 1e3 * statistics.median(t[0] for t in samples[method])
-            record[f"{method}_fwd_ms"] = 1e3 * statistics.median(
-                statistics.mean(t[1:]) for t in samples[method]
-            )
-            record[f"{method}_round_ms"] = {
-                g: 1e3
-                * statistics.median(
-                    samples["verify", g][i] + draft_s(method, i, g) for i in range(args.repeats)
-                )
+        block.update({m: draft_round(bench, caches[m], context) for m in caches})
+        if repeat:
+            for key, value in block.items():
+                samples[key].append(value)
+    return samples
+
+
+def context_record(
+    bench: Bench, samples: dict, target_cache, caches: dict, windowed: str, context: int
+) -> dict:
+    """One context's medians, the round-time fits, the windowed layouts' wins over native and the KV reclaimed."""
+    args, headline = bench.args, bench.headline
+
+    def draft_s(method, i, g):
+        """Draft seconds of a round of γ = g drafts in repeat i: t_ctx_draft + the first g − 1 steps."""
+        ctx, *fwd = samples[method][i]
+        return ctx + sum(fwd[: g - 1])
+
+    record = {
+        "context_length": context,
+        "verify_ms": {g: 1e3 * statistics.median(samples["verify", g]) for g in headline},
+    }
+    for method in caches:
+        record[f"{method}_ctx_ms"] = 1e3 * statistics.median(t[0] for t in samples[method])
+        record[f"{method}_fwd_ms"] = 1e3 * statistics.median(statistics.mean(t[1:]) for t in samples[method])
+        record[f"{method}_round_ms"] = {
+            g: 1e3
+            * statistics.median(samples["verify", g][i] + draft_s(method, i, g) for i in range(args.repeats))
+            for g in headline
+        }
+        # draft time = c + γ·t_fwd, fitted on every repeat so the standard errors reflect the noise
+        pairs = [(g, draft_s(method, i, g)) for i in range(args.repeats) for g in range(1, args.gamma + 1)]
+        record[f"{method}_fit"] = fit_line([g for g, _ in pairs], [t for _, t in pairs])
+        record[f"{method}_draft_kv_bytes"] = cache_nbytes(caches[method])
+    record["windowed_layout"] = windowed
+    for method in ("windowed", "windowed_gather", "ceiling"):
+        if method in caches:
+            record[f"{method}_win_percent"] = {
+                g: 100 * (record["native_round_ms"][g] / record[f"{method}_round_ms"][g] - 1)
                 for g in headline
             }
-            # draft time = c + γ·t_fwd, fitted on every repeat so the standard errors reflect the noise
-            pairs = [(g, draft_s(method, i, g)) for i in range(args.repeats) for g in gammas]
-            record[f"{method}_fit"] = fit_line([g for g, _ in pairs], [t for _, t in pairs])
-            record[f"{method}_draft_kv_bytes"] = cache_nbytes(caches[method])
-        record["windowed_layout"] = windowed
-        for method in ("windowed", "windowed_gather", "ceiling"):
-            if method in caches:
-                record[f"{method}_win_percent"] = {
-                    g: 100 * (record["native_round_ms"][g] / record[f"{method}_round_ms"][g] - 1)
-                    for g in headline
-                }
-        record["win_percent"] = record[f"{windowed}_win_percent"]
-        total_native = cache_nbytes(target_cache) + record["native_draft_kv_bytes"]
-        reclaimed = record["native_draft_kv_bytes"] - record[f"{windowed}_draft_kv_bytes"]
-        record["reclaimed_kv_bytes"] = reclaimed
-        record["reclaimed_share_of_all_kv"] = reclaimed / total_native
-        records.append(record)
-        wins = ", ".join(f"γ={g} {w:+.0f}%" for g, w in record["win_percent"].items())
-        print(
-            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd {'/'.join(caches)} "
-            f"{' / '.join(format(record[m + '_fwd_ms'], '.2f') for m in caches)} ms, win ({windowed}) {wins}",
-            flush=True,
-        )
-        del target_cache, caches
+    record["win_percent"] = record[f"{windowed}_win_percent"]
+    total_native = cache_nbytes(target_cache) + record["native_draft_kv_bytes"]
+    reclaimed = record["native_draft_kv_bytes"] - record[f"{windowed}_draft_kv_bytes"]
+    record["reclaimed_kv_bytes"] = reclaimed
+    record["reclaimed_share_of_all_kv"] = reclaimed / total_native
+    return record
 
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    name = f"mtp_cost_{args.shape}_{args.target_setup}" + (
-        "" if args.dtype == "float32" else f"_{args.dtype}"
-    )
-    name += "" if device.type == "cpu" else f"_{device.type}"
-    where = f"{args.threads} torch threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    summary = {
-        "threads": args.threads,
-        "device": where,
-        "torch": torch.__version__,
-        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "records": records,
-    }
-    (args.output_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
+
+def markdown(bench: Bench, records: list[dict], where: str) -> str:
+    """The report: per context the verify and draft times, the fits, the wins and the KV reclaimed; the setting."""
+    args, headline, absorbed = bench.args, bench.headline, bench.absorbed
     methods = [m for m in ("native", "windowed", "windowed_gather") if f"{m}_fwd_ms" in records[0]]
     shown = " / ".join(m.replace("_", " ") for m in methods)
     gather = "windowed_gather_win_percent" in records[0] and "windowed_win_percent" in records[0]
@@ -379,7 +393,51 @@ def main() -> None:
             else ""
         )
     )
-    table = "\n".join(rows)
+    return "\n".join(rows)
+
+
+def main() -> None:
+    args, device = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = target_config(args.shape, args.depth, max(args.contexts) + 64)
+    dtype = getattr(torch, args.dtype)
+    target = Glm4MoeForCausalLM(config).to(device=device, dtype=dtype).eval()
+    if args.target_setup == "fast":
+        target.set_attn_implementation("budgetdraft_varlen")  # the MTP head shares it (static ring needs it)
+    mtp = MtpModel(target, args.depth).to(device=device, dtype=dtype).eval()
+    headline = sorted({g for g in (1, 3, args.gamma) if g <= args.gamma})
+    bench = Bench(target, mtp, args, dtype, device, absorbed=args.accepted + 1, headline=headline)
+
+    records = []
+    for context in args.contexts:
+        target_cache, caches, windowed = context_caches(bench, context)
+        samples = time_context(bench, target_cache, caches, context)
+        record = context_record(bench, samples, target_cache, caches, windowed, context)
+        records.append(record)
+        wins = ", ".join(f"γ={g} {w:+.0f}%" for g, w in record["win_percent"].items())
+        print(
+            f"context {context}: verify {record['verify_ms'][args.gamma]:.1f} ms, draft fwd {'/'.join(caches)} "
+            f"{' / '.join(format(record[m + '_fwd_ms'], '.2f') for m in caches)} ms, win ({windowed}) {wins}",
+            flush=True,
+        )
+        del target_cache, caches
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    name = f"mtp_cost_{args.shape}_{args.target_setup}" + (
+        "" if args.dtype == "float32" else f"_{args.dtype}"
+    )
+    name += "" if device.type == "cpu" else f"_{device.type}"
+    where = f"{args.threads} torch threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    summary = {
+        "threads": args.threads,
+        "device": where,
+        "torch": torch.__version__,
+        "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
+        "records": records,
+    }
+    (args.output_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    table = markdown(bench, records, where)
     (args.output_dir / f"{name}.md").write_text(table + "\n")
     print(table)
 
