@@ -55,6 +55,7 @@ from transformers.modeling_layers import MtpModel
 import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import GrowableCache, cache_nbytes
 from hf_budgetdraft.cache import GrowableLayer, WindowedMtpCache
+from hf_budgetdraft.generation.draft_length.clock import synchronize
 
 SHAPES = {
     # MoE fields: transformers builds GLM-4 MTP layers as MoE blocks whatever `first_k_dense_replace` says; the
@@ -102,11 +103,10 @@ def fill(
 @torch.inference_mode()
 def timed(fn, device: torch.device) -> float:
     """Wall seconds of `fn()`, the device's queued work included."""
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    synchronize()
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 

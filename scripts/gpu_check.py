@@ -44,6 +44,7 @@ from hf_budgetdraft import record_speculation
 from hf_budgetdraft.attention import varlen
 from hf_budgetdraft.eval.greedy_diff import divergence_margin, noise_envelope, token_diff
 from hf_budgetdraft.eval.random_models import smoke_pair
+from hf_budgetdraft.generation.draft_length.clock import synchronize
 from hf_budgetdraft.trainer.losses import budgetdraft_loss, hard_distillation_loss
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
 
@@ -72,11 +73,6 @@ SMOKE_SIZES = dict(
     cost=gpu_cost_curves.SMOKE,
     train=dict(batch=2, prefix=64, continuation=8, budgets=[16, 24]),
 )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def environment(report: Report, device: torch.device) -> dict:

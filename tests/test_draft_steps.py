@@ -12,7 +12,7 @@ from hf_budgetdraft.generation.draft_steps import (
     CheckedLeanStep,
     CompiledStep,
     DraftSteps,
-    EagerStep,
+    ForwardStep,
     Prefill,
 )
 from hf_budgetdraft.generation.plan import DraftSpec
@@ -37,8 +37,8 @@ def static_drafter_and_caches(count: int):
 def test_each_step_writes_and_returns_what_the_drafters_forward_does(kind, fresh_dynamo):
     drafter, (reference_cache, cache) = static_drafter_and_caches(2)
     prompt = random_prompt(90, seed=3)
-    reference = EagerStep(drafter, reference_cache)
-    eager = EagerStep(drafter, cache)
+    reference = ForwardStep(drafter, reference_cache)
+    eager = ForwardStep(drafter, cache)
     if kind == "lean":
         step = CheckedLeanStep(drafter, cache, slack=8, fallback=eager)
     else:

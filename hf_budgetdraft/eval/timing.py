@@ -30,6 +30,7 @@ from ..cache.growable import GrowableCache
 from ..compat import CACHE_KWARG, output_cache
 from ..cpu import few_row_linears
 from ..generation.compiled_step import draft_step_compile_config
+from ..generation.draft_length.clock import synchronize
 from ..generation.plan import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
 
@@ -119,11 +120,6 @@ def peak_rss_bytes() -> int | None:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS: bytes, Linux: KiB
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _call_kwargs(input_ids, new_tokens, spec, sampling, generate_kwargs: dict) -> dict:
     """`generate()`'s arguments: greedy unless `sampling` (or `generate_kwargs`) says otherwise, exactly
     `new_tokens` new tokens when given, the spec's draft cache."""
@@ -175,10 +171,10 @@ def timed_generate(
     if seed is not None:
         torch.manual_seed(seed)
     with record_speculation() as stats:
-        _synchronize(device)
+        synchronize(device)
         start = streamer.begin()
         output = model.generate(input_ids, return_dict_in_generate=True, streamer=streamer, **kwargs)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
     new_ids = output.sequences[0, input_ids.shape[1] :].cpu()
     draft_cache, target_cache = stats.draft_cache, output_cache(output)

@@ -3,7 +3,7 @@
 Every step takes `feed (1, n)` token ids at `positions (1, n)` (and a padding mask where the row has one), writes
 the draft cache as the drafter's own forward would, and returns the last position's logits `(1, V)` in float32:
 
-- `EagerStep`: the drafter's own forward;
+- `ForwardStep`: a forward of the drafter (its own, or its compiled call) on the draft cache;
 - `CompiledStep`: that forward compiled for one-token steps (CUDA graphs on CUDA), eager if compiling fails;
 - `CheckedLeanStep`: the lean step (`cpu/lean_step.py`) for blocks of up to `slack` tokens, checked once against the
   drafter's own forward;
@@ -25,13 +25,15 @@ from ..attention.query_capture import query_capture
 from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
+from .draft_length.clock import synchronize
 
 logger = logging.get_logger(__name__)
 _first_compiled_call = threading.Lock()
 
 
-class EagerStep:
-    """The drafter's own forward on its draft cache."""
+class ForwardStep:
+    """A forward of `model` (the drafter, or its compiled call) on its draft cache: the eager step, and what
+    `CompiledStep` calls."""
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
@@ -55,9 +57,9 @@ class CompiledStep:
     unless the failed call already wrote to the cache. Logits are copied out of the CUDA graph's memory, which the
     next replay overwrites."""
 
-    def __init__(self, model, cache, compile_config, fallback: EagerStep):
+    def __init__(self, model, cache, compile_config, fallback: ForwardStep):
         self.cache, self.fallback = cache, fallback
-        self.compiled = EagerStep(model.get_compiled_call(compile_config), cache)
+        self.compiled = ForwardStep(model.get_compiled_call(compile_config), cache)
         self.checked, self.failed = False, False
 
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
@@ -95,7 +97,7 @@ class CheckedLeanStep:
     drafter's own forward (after rolling the lean step's write back) and it keeps running lean only if both gave the
     same logits."""
 
-    def __init__(self, model, cache, slack: int, fallback: EagerStep):
+    def __init__(self, model, cache, slack: int, fallback: ForwardStep):
         self.lean, self.cache, self.slack, self.fallback = LeanDraftStep(model), cache, slack, fallback
         self.checked, self.failed = False, False
 
@@ -123,7 +125,7 @@ class Prefill:
     draft cache is filled from the recorded keys/values through its layers' `update`), else its own forward,
     capturing the prefill's queries when `capture_queries`. `seconds` accumulates its time (device synchronised)."""
 
-    def __init__(self, eager: EagerStep, window: int | None, num_sink_tokens: int, capture_queries: bool):
+    def __init__(self, eager: ForwardStep, window: int | None, num_sink_tokens: int, capture_queries: bool):
         self.eager, self.window, self.num_sink_tokens = eager, window, num_sink_tokens
         self.capture_queries, self.seconds = capture_queries, 0.0
 
@@ -137,8 +139,7 @@ class Prefill:
         else:
             with query_capture(model) if self.capture_queries else contextlib.nullcontext():
                 logits = self.eager(feed, positions, mask)
-        if feed.device.type == "cuda":
-            torch.cuda.synchronize(feed.device)
+        synchronize(feed.device)
         self.seconds += time.perf_counter() - start
         return logits
 
@@ -148,14 +149,14 @@ class DraftSteps:
     """The steps of one call: `prefill`, `block` (several tokens), `token` (one), `eager` (a padded row)."""
 
     prefill: Prefill
-    block: EagerStep | CheckedLeanStep
-    token: EagerStep | CheckedLeanStep | CompiledStep
-    eager: EagerStep
+    block: ForwardStep | CheckedLeanStep
+    token: ForwardStep | CheckedLeanStep | CompiledStep
+    eager: ForwardStep
 
     @classmethod
     def for_plan(cls, plan, model, cache, capture_queries: bool) -> DraftSteps:
         spec = plan.spec
-        eager = EagerStep(model, cache)
+        eager = ForwardStep(model, cache)
         block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
         token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block
         prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries)

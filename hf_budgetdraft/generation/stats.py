@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-import torch
-
 from ..compat import CACHE_KWARG
+from .draft_length.clock import synchronize
 
 
 @dataclass
@@ -180,11 +179,6 @@ def active_recorder() -> SpeculationStats | None:
     return _active.get()
 
 
-def _synchronize(tensor: torch.Tensor) -> None:
-    if tensor.device.type == "cuda":
-        torch.cuda.synchronize(tensor.device)
-
-
 def instrument(generator, stats: SpeculationStats) -> None:
     """Wrap a candidate generator's `get_candidates`/`update_candidate_strategy` to time and count rounds.
 
@@ -201,11 +195,11 @@ def instrument(generator, stats: SpeculationStats) -> None:
 
     def timed_get_candidates(input_ids, **kwargs):
         if clock is None:
-            _synchronize(input_ids)
+            synchronize(input_ids.device)
         start = time.perf_counter()
         candidate_ids, candidate_logits = get_candidates(input_ids, **kwargs)
         if clock is None:
-            _synchronize(candidate_ids)
+            synchronize(candidate_ids.device)
         round_state.update(
             draft=time.perf_counter() - start,
             end=time.perf_counter(),
@@ -215,7 +209,7 @@ def instrument(generator, stats: SpeculationStats) -> None:
 
     def timed_update_candidate_strategy(input_ids, scores, num_matches):
         if clock is None:
-            _synchronize(input_ids)
+            synchronize(input_ids.device)
             draft, verify = round_state["draft"], time.perf_counter() - round_state["end"]
         result = update_strategy(input_ids, scores, num_matches)
         if clock is not None:

@@ -9,6 +9,14 @@ import torch
 from .base import DraftLength
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA); a no-op where work is synchronous. Timing code outside a round's
+    own acceptance uses this, never a bare `torch.cuda.synchronize`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class RoundClock:
     """Times each round of a candidate generator for its `DraftLength` policy: the draft from `start()` to
     `drafted(n)` (inside `get_candidates`), the verification from then to `finish(accepted)` (in
