@@ -44,7 +44,7 @@ class RingWindow(RingSlots):
         q = key_states.shape[-2]
         end = first_position + q
         keep = min(q, self.capacity)
-        slots = self.slots(end - keep, end, self.keys.device)
+        slots = self.slots(torch.arange(end - keep, end, device=self.keys.device))
         # stored detached: a training step backpropagates through the keys `update` returns, not through the buffer
         self.keys.index_copy_(2, slots, key_states[:, :, q - keep :].detach())
         self.values.index_copy_(2, slots, value_states[:, :, q - keep :].detach())

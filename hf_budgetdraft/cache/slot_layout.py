@@ -51,9 +51,9 @@ class RingSlots:
         """Forget every stored token; the ring will hold positions `[start, ...)`."""
         self.start = self.valid_from = start
 
-    def slots(self, first: int, last: int, device: torch.device) -> torch.Tensor:
-        """`(last - first,)` long: the ring slots of positions `[first, last)`."""
-        return (torch.arange(first, last, device=device) - self.start) % self.capacity
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """The ring slots of `positions` (at or past the ring start), same shape."""
+        return (positions - self.start) % self.capacity
 
     def rolled_back_to(self, length: int) -> None:
         """The sequence was cut to `length`: at or before the ring start, every ring slot is in the future (free)."""
@@ -113,10 +113,18 @@ class SlotLayout:
         """Ring-relative slots `(p - ring_start) mod (W + slack)` of positions at or past the ring start."""
         return (positions - ring_start).remainder(self.ring_capacity)
 
+    def placement(
+        self, positions: torch.Tensor, ring_start: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(in_ring, ring offset, buffer slot)` of `positions`, each their shape: a position before the ring start
+        (a sink) lives in static slot `p`, the others in ring slot `S + offset`."""
+        in_ring = positions >= ring_start
+        offsets = self.ring_offsets(positions, ring_start)
+        return in_ring, offsets, torch.where(in_ring, self.static_capacity + offsets, positions)
+
     def slots(self, positions: torch.Tensor, ring_start: torch.Tensor) -> torch.Tensor:
-        """Buffer slots of `positions`: static slot `p` before the ring start (a sink), else its ring slot."""
-        ring = self.static_capacity + self.ring_offsets(positions, ring_start)
-        return torch.where(positions >= ring_start, ring, positions)
+        """Buffer slots of `positions` (see `placement`)."""
+        return self.placement(positions, ring_start)[2]
 
     def ring_visible(
         self, held: torch.Tensor, ring_start: torch.Tensor, queries: torch.Tensor, first: torch.Tensor

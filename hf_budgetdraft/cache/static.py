@@ -133,8 +133,8 @@ class StaticDraftLayer(CacheLayerMixin):
         long = dict(dtype=torch.long, device=key_states.device)
         self.length = torch.zeros((), **long)
         self.ring_start = torch.full((), self._initial_ring_start(), **long)
-        self.ring.restart(self._initial_ring_start())
         self.ring_positions = torch.full((self.capacity,), -1, **long)
+        self.ring.restart(self._initial_ring_start())
         self.num_static = torch.zeros((), **long)
         self._static_slots = torch.arange(self.static_capacity, **long)
         self._offsets = torch.arange(self.slack, **long)  # a step's tokens sit at length + offsets[:q]
@@ -198,9 +198,8 @@ class StaticDraftLayer(CacheLayerMixin):
             )
         tokens = key_states.shape[-2]
         positions = self.length + self._offsets[:tokens]  # (q,) long: the new tokens' positions
-        in_ring = positions >= self.ring_start
-        ring_slots = self.layout.ring_offsets(positions, self.ring_start)  # (q,), distinct: q <= slack
-        slots = self.layout.slots(positions, self.ring_start)  # sink slot p while p < S
+        # (q,) each; ring slots distinct (q <= slack); a sink position p < S in static slot p
+        in_ring, ring_slots, slots = self.layout.placement(positions, self.ring_start)
         # stored detached: backpropagation goes through the keys `update` returns, never into the buffer
         self.keys.index_copy_(2, slots, key_states.detach())
         self.values.index_copy_(2, slots, value_states.detach())
@@ -215,9 +214,8 @@ class StaticDraftLayer(CacheLayerMixin):
 
     def _advance_known_length(self, tokens: int) -> None:
         if torch.compiler.is_compiling():
-            self.known_length = (
-                None  # the replayed graph cannot count on the host: `note_length` hands it back
-            )
+            # the replayed graph cannot count on the host: `note_length` hands it back
+            self.known_length = None
         elif self.known_length is not None:
             self.known_length += tokens
             self.ring.wrote_up_to(self.known_length)
@@ -230,6 +228,14 @@ class StaticDraftLayer(CacheLayerMixin):
             self.known_length = length
             self.ring.wrote_up_to(length)
 
+    def _restart_ring(self, start: int) -> None:
+        """The ring holds nothing and will hold positions `[start, ...)`: its device tensors (read by a step's mask)
+        and its host bookkeeping alike."""
+        if self.is_initialized:
+            self.ring_start.fill_(start)
+            self.ring_positions.fill_(-1)
+        self.ring.restart(start)
+
     def _length(self) -> int:
         """The logical length, from the host count (a device read only if a compiled step left it unknown)."""
         if not self.is_initialized:
@@ -241,7 +247,7 @@ class StaticDraftLayer(CacheLayerMixin):
     def _ring_index(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions `[first, last)` of the ring and their slots (ring-relative)."""
         positions = torch.arange(first, max(first, last), device=self.ring_positions.device)
-        return positions, self.ring.slots(first, max(first, last), self.ring_positions.device)
+        return positions, self.ring.slots(positions)
 
     def _window_start(self, length: int) -> int:
         return self.ring.window_start(length)
@@ -345,10 +351,8 @@ class StaticDraftLayer(CacheLayerMixin):
             self.keys.zero_()
             self.values.zero_()
             self.length.zero_()
-            self.ring_start.fill_(self._initial_ring_start())
-            self.ring_positions.fill_(-1)
             self.num_static.zero_()
-        self.ring.restart(self._initial_ring_start())
+        self._restart_ring(self._initial_ring_start())
         self.known_length = 0
         self._awaiting_attention = False
 
@@ -390,9 +394,7 @@ class StaticSinkWindowLayer(StaticDraftLayer):
         length = self._length()
         check_skip(count, length, self.num_sink_tokens)
         self._set_length(length + count)
-        self.ring_start.fill_(length + count)
-        self.ring.restart(length + count)
-        self.ring_positions.fill_(-1)
+        self._restart_ring(length + count)
         self.skipped_to = length + count
 
     def crop(self, tokens_to_remove) -> None:
@@ -445,8 +447,7 @@ class StaticBudgetedLayer(PrefixSelection, StaticDraftLayer):
     def _start_after_prefill(self, length: int) -> None:
         self.prefilled = True
         self._set_length(length)
-        self.ring_start.fill_(length)
-        self.ring.restart(length)
+        self._restart_ring(length)
 
     def _store_selection(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.num_static.fill_(keys.shape[-2])

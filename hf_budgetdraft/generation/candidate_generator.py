@@ -89,10 +89,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         if cache is None:
             return False
         seen = self._cached_tokens()
-        if self.seen_tokens is not None:
-            self.draft_cache.note_length(
-                seen
-            )  # a static cache then crops without reading its device-side count
+        self.draft_cache.note_length(seen)  # a static cache then crops without reading its device-side count
         excess = seen - (input_ids.shape[-1] - 1)
         if excess >= 0:
             cache.crop(-excess)
@@ -136,9 +133,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=ids.device)
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
-        if (
-            self._padded is None
-        ):  # the mask only grows by ones: whether it pads is known after the first round
+        if self._padded is None:
+            # the mask only grows by ones: whether it pads is known after the first round
             self._padded = mask is not None and not bool(mask.all())
         # (1, n_new): what the draft cache has not seen yet; a copy, not a strided view of ids, which a compiled
         # step would see as a new input layout
