@@ -52,6 +52,8 @@ from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_proble
 from .cpu import few_row_linears
 from .generation.batched_loop import run_batched, run_sparse_batch
 from .generation.candidate_generator import SparseDraftCandidateGenerator
+from .generation.device_loop import run_device_round
+from .generation.device_loop import unsupported as unsupported_by_device_round
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
 from .generation.mtp_heads import expose_mtp_layers
@@ -217,12 +219,23 @@ def _get_candidate_generator(
     return generator
 
 
-def _plan(target, assistant_model, generation_config, rows: int | None = None) -> DraftPlan:
-    """The call's plan; `rows` (the batch size, `None`: unknown, one sequence) decides whether it runs batched."""
+def _plan(
+    target, assistant_model, generation_config, rows: int | None = None, loop_problem: str | None = None
+) -> DraftPlan:
+    """The call's plan; `rows` (the batch size, `None`: unknown, one sequence) decides whether it runs batched,
+    `loop_problem` (what the call asks that the device round does not do) whether it may run the device round."""
     name, cache_config = generation_config.cache_implementation, generation_config.cache_config
     spec = DraftSpec.from_cache_config(name, cache_config)
     batched = rows is not None and spec.runs_batched(rows)
-    return resolve_plan(spec, cache_config, target, assistant_model, generation_config, batched=batched)
+    return resolve_plan(
+        spec,
+        cache_config,
+        target,
+        assistant_model,
+        generation_config,
+        batched=batched,
+        loop_problem=loop_problem,
+    )
 
 
 def _assisted_decoding(self, *args, **kwargs):
@@ -261,13 +274,17 @@ def _assisted_decoding(self, *args, **kwargs):
         kwargs.get("tokenizer"),
         kwargs.get("assistant_tokenizer"),
     )
-    plan = _plan(self, assistant_model, generation_config, None if input_ids is None else input_ids.shape[0])
+    rows = None if input_ids is None else input_ids.shape[0]
+    loop_problem = unsupported_by_device_round(generation_config, kwargs, input_ids)
+    plan = _plan(self, assistant_model, generation_config, rows, loop_problem)
     stats = active_recorder()
     if stats is not None:
         stats.plan = plan
     if plan.batched:
         with plan.applied(self):
             return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
+    if plan.device_round:
+        return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
     token = _current_plan.set(plan)
     try:
         with plan.applied(self):

@@ -26,7 +26,8 @@ def test_cpu_keeps_its_speedups_and_rents_the_compilation(dtype):
     assert rules.lean_step and rules.prefill_window and not rules.compile_from_first_call
     assert rules.few_row_linear == (dtype == torch.float32)  # the few-row GEMMs are float32 kernels
     assert rules.round_clock == "host"
-    assert set(rules.reasons) == {*CPU_SPEEDUPS, "compile_from_first_call", "round_clock"}
+    assert set(rules.reasons) == {*CPU_SPEEDUPS, "compile_from_first_call", "device_round", "round_clock"}
+    assert not rules.device_round and rules.reasons["device_round"].startswith("estimate")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
@@ -176,8 +177,9 @@ def _device_length(cache) -> int:
 
 
 class HostReads(TorchFunctionMode):
-    """Counts the tensor values read on the host by the package's own code — each one a device synchronisation on
-    CUDA (`int()`, `bool()`, `.item()`, `.tolist()`, `.nonzero()`, ...) — by the file and function that read it."""
+    """Counts the tensor values read on the host by the package's own code (`package_only=False`: by any code but
+    torch's, transformers' included) — each one a device synchronisation on CUDA (`int()`, `bool()`, `.item()`,
+    `.tolist()`, `.nonzero()`, ...) — by the file and function that read it."""
 
     READS = {
         torch.Tensor.__bool__,
@@ -192,16 +194,17 @@ class HostReads(TorchFunctionMode):
         torch.equal,
     }
 
-    def __init__(self):
+    def __init__(self, package_only: bool = True):
         super().__init__()
         self.sites = collections.Counter()
+        self.package_only = package_only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.READS:
             caller = [
                 f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename
             ][-1]
-            if f"{os.sep}hf_budgetdraft{os.sep}" in caller.filename:
+            if not self.package_only or f"{os.sep}hf_budgetdraft{os.sep}" in caller.filename:
                 self.sites[f"{os.path.basename(caller.filename)}:{caller.name}"] += 1
         return func(*args, **(kwargs or {}))
 

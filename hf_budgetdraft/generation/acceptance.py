@@ -23,12 +23,21 @@ def greedy_accept(
     return kept, choice.gather(1, kept[:, None])[:, 0]
 
 
+def sample_on_device(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of `probs (..., V)` without a host synchronisation: `argmax(p / E)` with `E ~ Exp(1)` picks
+    index i with probability `p_i` (the exponential-race form of the Gumbel-max trick, as gpt-fast samples);
+    `torch.multinomial` may wait for the device to check its input. Returns `(...)` indices."""
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
+
+
 def speculative_accept(
     drafts: torch.Tensor,
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
     limits: torch.Tensor,
     generator: torch.Generator | None = None,
+    on_device: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling per row.
 
@@ -37,6 +46,7 @@ def speculative_accept(
         draft_logits (`torch.Tensor` of shape `(B, γ, V)`): the processed logits the drafts were sampled from.
         target_logits (`torch.Tensor` of shape `(B, γ + 1, V)`): the target's processed logits.
         limits (`torch.LongTensor` of shape `(B,)`): drafts each row may keep (a row's draft ended early).
+        on_device (`bool`): read nothing on the host (the residual always computed, `sample_on_device` draws).
 
     Returns:
         `(kept (B,), next_token (B,))`.
@@ -55,11 +65,13 @@ def speculative_accept(
     target_next = p[rows, kept]  # (B, V): the target's distribution after the kept drafts
     rejected = kept < limits
     residual = torch.zeros_like(target_next)
-    if bool(rejected.any()):
+    if on_device or bool(rejected.any()):
         at = kept.clamp(max=gamma - 1)
         residual = (target_next - q[rows, at]).clamp(min=0)
         mass = residual.sum(-1, keepdim=True)
         # p == q at a rejected position has probability 0; fall back to p so the draw stays defined
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target_next)
     distribution = torch.where(rejected[:, None], residual, target_next)
+    if on_device:
+        return kept, sample_on_device(distribution, generator)
     return kept, torch.multinomial(distribution, 1, generator=generator)[:, 0]

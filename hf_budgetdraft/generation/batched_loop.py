@@ -24,19 +24,6 @@ import contextlib
 import time
 
 import torch
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -48,21 +35,10 @@ from ..compat import cache_kwargs
 from .acceptance import greedy_accept, speculative_accept
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .plan import DraftPlan
+from .processors import LENGTH_ONLY, SCORE_ONLY, suppress_eos
 from .stats import active_recorder
 
 MAX_BATCH_SIZE = 256
-# processors that read only the scores, so a batch of positions goes through them in one call
-_SCORE_ONLY = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    InfNanRemoveLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-)
 
 
 def left_padding(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -169,9 +145,9 @@ class BatchedSpeculation:
         lengths = self.prompt.shape[1] + self.generated[self.rows][:, None] + first + offsets
         out = logits
         for processor in self.processors:
-            if isinstance(processor, (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor)):
-                out = _suppress_eos(out, processor, lengths)
-            elif isinstance(processor, _SCORE_ONLY):
+            if isinstance(processor, LENGTH_ONLY):
+                out = suppress_eos(out, processor, lengths)
+            elif isinstance(processor, SCORE_ONLY):
                 out = processor(drafts.new_zeros(batch * n, 1), out.reshape(batch * n, vocab)).reshape(
                     batch, n, vocab
                 )
@@ -353,17 +329,6 @@ class BatchedSpeculation:
 def _scores_queries(cache) -> bool:
     """Whether a cache's prefill needs the prefill queries (a query-scored budgeted policy)."""
     return isinstance(cache, RaggedBudgetedCache) and cache.policy.needs_queries
-
-
-def _suppress_eos(logits: torch.Tensor, processor, lengths: torch.Tensor) -> torch.Tensor:
-    """`min_new_tokens` / `min_length` for a batch: EOS impossible where a row is still too short."""
-    if isinstance(processor, MinNewTokensLengthLogitsProcessor):
-        short = lengths - processor.prompt_length_to_skip < processor.min_new_tokens
-    else:
-        short = lengths < processor.min_length
-    eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    eos[processor.eos_token_id.to(logits.device)] = True
-    return logits.masked_fill(short.to(logits.device)[..., None] & eos, -float("inf"))
 
 
 def _stack(drafts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         """Seconds the drafter's prefills took in this call (read by `record_speculation`)."""
         return self.steps.prefill.seconds
 
+    def runtime(self) -> dict:
+        """What ran in this call (`SpeculationStats.runtime`): transformers' loop, the target verifying eagerly."""
+        return {"loop": "transformers", "verify": None, "draft_step": self.steps.record()}
+
     # -- a round -------------------------------------------------------------------------------------------------
     def get_candidates(
         self, input_ids: torch.LongTensor, **kwargs

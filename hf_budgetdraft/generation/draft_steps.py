@@ -60,26 +60,35 @@ class CompiledStep:
     def __init__(self, model, cache, compile_config, fallback: ForwardStep):
         self.cache, self.fallback = cache, fallback
         self.compiled = ForwardStep(model.get_compiled_call(compile_config), cache)
-        self.checked, self.failed = False, False
+        self.checked, self.failure = False, None
+        self.compiled_calls, self.eager_calls = 0, 0  # steps that ran compiled / eagerly after a failure
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
 
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
         if self.failed:
+            self.eager_calls += 1
             return self.fallback(feed, positions)
         if self.checked:
+            self.compiled_calls += 1
             return self.compiled(feed, positions).clone()
         lengths = self._static_lengths()
         try:
             with _first_compiled_call:
                 logits = self.compiled(feed, positions).clone()
+            self.compiled_calls += 1
         except Exception as error:  # any compiler failure; the eager step is the same computation
             if self._static_lengths() != lengths:
                 raise
+            self.failure = f"{type(error).__name__}: {error}"
             logger.warning_once(
-                f"compiling the draft step failed ({type(error).__name__}: {error}); drafting eagerly instead. "
+                f"compiling the draft step failed ({self.failure}); drafting eagerly instead. "
                 "Pass cache_config={'compile': False} to skip the attempt."
             )
             logger.debug("the draft step's compilation failed", exc_info=True)
-            self.failed = True
+            self.eager_calls += 1
             logits = self.fallback(feed, positions)
         self.checked = True
         return logits
@@ -166,6 +175,19 @@ class DraftSteps:
     def compiled(self) -> bool:
         """Whether one-token steps run compiled (False after a failed compilation)."""
         return isinstance(self.token, CompiledStep) and not self.token.failed
+
+    def record(self) -> dict:
+        """What the one-token step did in this call: planned compiled or not, steps run compiled, steps run
+        eagerly after a failed compilation, and the failure."""
+        token = self.token
+        if not isinstance(token, CompiledStep):
+            return {"compiled": False, "compiled_calls": 0, "eager_calls": 0, "failure": None}
+        return {
+            "compiled": True,
+            "compiled_calls": token.compiled_calls,
+            "eager_calls": token.eager_calls,
+            "failure": token.failure,
+        }
 
     def __call__(self, feed, past: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Logits `(1, V)` after feeding `feed (1, n)` at positions `past ... past + n - 1` (`mask`: the padded

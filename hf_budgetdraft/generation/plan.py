@@ -12,6 +12,8 @@ linear layers on CPU), and a draft length chosen online from the call's own cost
     cache_config={"draft_length": 6}      # a fixed γ ("adaptive", "heuristic", or an int; 0 = plain AR)
     cache_config={"fast_verify": False}   # the target keeps the attention and linear layers it was loaded with
     cache_config={"prefill_window": None} # the drafter prefills with full attention ("auto": 1024-token chunks)
+    cache_config={"device_round": False}  # transformers' loop, the target on a GrowableCache ("auto": on CUDA)
+    cache_config={"compile_verify": False} # the device round's verification runs eagerly ("auto": on CUDA)
 
 The remaining keys are the draft cache's own (`SinkWindowCache` / `BudgetedCache` arguments).
 
@@ -28,6 +30,9 @@ What the defaults turn on, and when:
 - **the CPU speed-ups** (`cpu/`), on CPU only: lean draft steps on a Llama-layout drafter's weights, few-row linear
   layers for a float32 target, and a windowed draft prefill (1024-token chunks) for a single sequence and a
   full-attention drafter whose policy does not score the prefix with the prefill's queries;
+- **the device round** (`device_loop.py`), on CUDA: the package's own loop, the target on a static full cache
+  verifying through a compiled forward (`static_verify.py`), acceptance on the device, one host read a round;
+  elsewhere transformers' loop with the target on a `GrowableCache`;
 - **draft length**: explicit settings first (`cache_config["draft_length"]`, then `num_assistant_tokens` /
   its schedule / `assistant_confidence_threshold` passed to `generate()` when they differ from transformers'
   defaults, then the drafter's own `generation_config`), else `"adaptive"`.
@@ -56,7 +61,16 @@ from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 from ..cache.windowed_prefill import layers_besides_full_attention
 from ..cpu import few_row_linear_applies, few_row_linears
 from .device_rules import device_rules
-from .plan_choices import AUTO, asked_or, compile_choice, draft_length_choice, lean_step_choice, window_choice
+from .plan_choices import (
+    AUTO,
+    asked_or,
+    compile_choice,
+    device_round_choice,
+    draft_length_choice,
+    lean_step_choice,
+    verify_compile_choice,
+    window_choice,
+)
 
 logger = logging.get_logger(__name__)
 CACHE_CLASSES = {"sink_window": SinkWindowCache, "budgeted": BudgetedCache}
@@ -81,6 +95,8 @@ _RUN_OPTIONS = (
     "fast_verify",
     "prefill_window",
     "full_draft_cache",
+    "device_round",
+    "compile_verify",
 )
 MAX_DRAFT_LENGTH = 64  # bounds a user-set γ (and the rollback slack it needs)
 MAX_PREFILL_WINDOW = 1 << 20
@@ -130,6 +146,13 @@ class DraftSpec:
             for a single sequence, a drafter made of full-attention layers and a policy that does not score the
             prefix with the prefill's queries; otherwise `None` (a full prefill). An explicit int is refused with a
             query-scored policy and in batched calls.
+        device_round (`bool` or `"auto"`): run the round as device work in the package's own loop
+            (`device_loop.py`): the target on a static full cache, acceptance on the device, one host read a
+            round; `"auto"` = on CUDA, for a single sequence and a target of full-attention layers, when the call
+            asks nothing that loop does not do (see `device_loop.unsupported`).
+        compile_verify (`bool` or `"auto"`): compile the device round's verification forward (CUDA graphs on
+            CUDA), one graph per verification-length bucket; `"auto"` = on CUDA, or wherever `generate()` is
+            given a `compile_config` (which then says how).
         full_draft_cache (`bool`, defaults to `False`): a baseline, not a speed-up: the drafter reads a full ragged
             cache instead of the sparse one `cache` names, in the batched loop whatever the batch size (what a
             sparse draft is measured against: the bench's `full_draft` method).
@@ -150,6 +173,8 @@ class DraftSpec:
     fast_verify: bool = True
     prefill_window: int | str | None = AUTO
     full_draft_cache: bool = False
+    device_round: bool | str = AUTO
+    compile_verify: bool | str = AUTO
 
     def __post_init__(self):
         if self.cache not in DRAFT_CACHES:
@@ -159,6 +184,8 @@ class DraftSpec:
         _check_switch("static", self.static)
         _check_switch("lean_step", self.lean_step)
         _check_switch("compile", self.compile)
+        _check_switch("device_round", self.device_round)
+        _check_switch("compile_verify", self.compile_verify)
         for name in ("fast_verify", "full_draft_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -327,6 +354,9 @@ class DraftPlan:
         target_attention (`str`, *optional*): attention set on the target for the call (`None`: untouched).
         target_linear (`bool`): the target's linear layers run `few_row_linear` for the call.
         compile_config (`CompileConfig`, *optional*): how the one-token draft step compiles, when it does.
+        device_round (`bool`): the call runs the device round (`device_loop.py`).
+        verify_compile_config (`CompileConfig`, *optional*): how the device round's verification compiles
+            (`None`: eagerly).
         device_type (`str`): the drafter's device type the choices were made for (`device_rules.py`).
         batched (`bool`): the call runs the batched loop (`DraftSpec.runs_batched`).
         reasons (`dict[str, str]`): why each automatic choice came out as it did (measured, or an estimate).
@@ -341,6 +371,8 @@ class DraftPlan:
     target_attention: str | None = None
     target_linear: bool = False
     compile_config: CompileConfig | None = None
+    device_round: bool = False
+    verify_compile_config: CompileConfig | None = None
     device_type: str = "cpu"
     batched: bool = False
     reasons: dict = field(default_factory=dict, compare=False)
@@ -378,11 +410,18 @@ def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
 
 
 def resolve_plan(
-    spec: DraftSpec, cache_config: dict | None, target, drafter, call: GenerationConfig, batched: bool = False
+    spec: DraftSpec,
+    cache_config: dict | None,
+    target,
+    drafter,
+    call: GenerationConfig,
+    batched: bool = False,
+    loop_problem: str | None = None,
 ) -> DraftPlan:
     """Decide every `"auto"` of `spec` for this target, drafter and `generate()` config (`batched`: a call of
-    several rows, whose draft caches are the ragged ones: never static, lean or compiled), from the rules of the
-    drafter's device (`device_rules.py`); `DraftPlan.reasons` says why each choice came out as it did."""
+    several rows, whose draft caches are the ragged ones: never static, lean or compiled; `loop_problem`: what the
+    call asks that the device round does not do), from the rules of the drafter's device (`device_rules.py`);
+    `DraftPlan.reasons` says why each choice came out as it did."""
     rules = device_rules(drafter.device, drafter.dtype)
     window, window_reason = window_choice(spec, drafter, batched, rules)
     spec = spec.replace(prefill_window=window)
@@ -400,21 +439,34 @@ def resolve_plan(
     static, static_reason = _static_choice(spec, drafter)
     lean, lean_problem = lean_step_choice(spec.lean_step, static, drafter, rules)
     compiled, compile_config, compile_reason = compile_choice(spec, static, lean, drafter, call, rules)
+    device_round, round_reason = device_round_choice(spec, target, batched, rules, loop_problem)
+    verify_config, verify_reason = verify_compile_choice(spec, device_round, target, call, rules)
     length, source, threshold, start = draft_length_choice(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
     target_rules = device_rules(target.device, target.dtype)
-    target_linear = spec.fast_verify and target_rules.few_row_linear and few_row_linear_applies(target)
+    # the device round's target runs as loaded: its verification is compiled, not switched per call
+    fast_verify = spec.fast_verify and not device_round
+    target_linear = fast_verify and target_rules.few_row_linear and few_row_linear_applies(target)
     return DraftPlan(
-        spec=spec.replace(static=static, lean_step=lean, compile=compiled, draft_length=length),
+        spec=spec.replace(
+            static=static,
+            lean_step=lean,
+            compile=compiled,
+            draft_length=length,
+            device_round=device_round,
+            compile_verify=verify_config is not None,
+        ),
         draft_length_source=source,
         lean_step_problem=lean_problem,
         confidence_threshold=threshold,
         heuristic_start=start,
         draft_attention=VARLEN if static else None,
-        target_attention=verify_attention(target, spec.fast_verify),
+        target_attention=verify_attention(target, fast_verify),
         target_linear=target_linear,
         compile_config=compile_config if compiled else None,
+        device_round=device_round,
+        verify_compile_config=verify_config,
         device_type=rules.device_type,
         batched=batched,
         reasons={
@@ -423,9 +475,11 @@ def resolve_plan(
             "compile": compile_reason,
             "prefill_window": window_reason,
             "target_linear": target_rules.reasons["few_row_linear"]
-            if spec.fast_verify
-            else "fast_verify=False",
+            if fast_verify
+            else ("the device round's target runs as loaded" if device_round else "fast_verify=False"),
             "draft_length": source,
+            "device_round": round_reason,
+            "compile_verify": verify_reason,
             "round_clock": rules.reasons["round_clock"],
         },
     )

@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING
 
 from transformers import CompileConfig, GenerationConfig
 
+from ..cache import is_full_attention_only
 from ..cpu import lean_step_problem
 from .compiled_step import compile_pays, draft_step_compile_config
 from .device_rules import DeviceRules
+from .static_verify import verify_compile_config
 
 if TYPE_CHECKING:
     from .plan import DraftSpec
@@ -112,3 +114,49 @@ def compile_choice(
         return True, config, rules.reasons["compile_from_first_call"]
     pays = compile_pays(drafter, config, lean)
     return pays, config, rules.reasons["compile_from_first_call"] + ("" if pays else " (not yet)")
+
+
+def _device_round_problem(target, batched: bool) -> str | None:
+    if batched:
+        return "a batch runs the batched loop"
+    if target.config.is_encoder_decoder:
+        return "the device round verifies decoder-only targets"
+    if not is_full_attention_only(target.config):
+        return "the target has layers besides full attention, which a static cache cannot roll back exactly"
+    return None
+
+
+def device_round_choice(
+    spec: DraftSpec, target, batched: bool, rules: DeviceRules, loop_problem: str | None = None
+) -> tuple[bool, str]:
+    """`(run the device round, why)`: `"auto"` runs it where the device rules do, the target allows it and the
+    call asks nothing the loop does not do (`loop_problem`)."""
+    problem = _device_round_problem(target, batched) or loop_problem
+    if spec.device_round is True and problem is not None:
+        raise ValueError(f"device_round=True, but {problem}; drop device_round (or set it to 'auto')")
+    if spec.device_round != AUTO:
+        return spec.device_round, "cache_config"
+    if problem is not None:
+        return False, problem
+    return rules.device_round, rules.reasons["device_round"]
+
+
+def verify_compile_choice(
+    spec: DraftSpec, device_round: bool, target, call: GenerationConfig, rules: DeviceRules
+) -> tuple[CompileConfig | None, str]:
+    """`(how the device round's verification compiles (None: eagerly), why)`; `generate(compile_config=...)` says
+    how, and means "compile" under `"auto"`."""
+    if not device_round:
+        if spec.compile_verify is True:
+            raise ValueError(
+                "compile_verify=True compiles the device round's verification; set device_round=True"
+            )
+        return None, "transformers' loop verifies"
+    if call.disable_compile:
+        return None, "generate(disable_compile=True)"
+    config = call.compile_config or verify_compile_config(target.device)
+    if spec.compile_verify != AUTO:
+        return (config if spec.compile_verify else None), "cache_config"
+    if call.compile_config is not None:
+        return config, "generate(compile_config=...)"
+    return (config if rules.device_round else None), rules.reasons["device_round"]

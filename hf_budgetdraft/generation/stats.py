@@ -93,6 +93,15 @@ class SpeculationStats:
         return sum(self.verify_seconds_per_round)
 
     @property
+    def runtime(self) -> dict | None:
+        """What ran in the latest sparse-draft call, not what was planned: the loop (`"device_round"` or
+        `"transformers"`), the verification (compiled calls, buckets, graphs compiled, recompilations, a compile
+        failure) and the one-token draft step (compiled calls, eager calls after a failure); `None` for other
+        generators."""
+        runtime = getattr(self.candidate_generator, "runtime", None)
+        return runtime() if callable(runtime) else None
+
+    @property
     def draft_length_policy(self) -> str | None:
         """Which draft-length policy ran in the latest sparse-draft call (`"adaptive"`, `"heuristic"`, `"fixed"`)."""
         generator = self.candidate_generator

@@ -1,0 +1,232 @@
+"""The device round: one sequence's speculative decoding as device work with one host read a round (gpt-fast's
+`speculative_decode`, around transformers' models and this package's draft caches).
+
+transformers' assisted loop synchronises with the device several times a round (the accepted-token slice, the EOS
+check, the finished flag) and verifies through an eager forward on a cache whose length it reads. Here, a round:
+
+1. the drafter proposes γ tokens on its sparse cache (`DraftSteps`: the compiled one-token step on CUDA);
+2. the target verifies `[newest token, γ drafts]`, padded to a bucket, on a static full cache through a compiled
+   forward (`static_verify.py`);
+3. the acceptance runs on the device (greedy: the target's argmax; sampling: speculative sampling), the new tokens
+   are written into a device buffer, and the host reads one pair, `(kept, first EOS)`: the round's only wait;
+4. both caches roll back by moving their write index (target: the rejected drafts and the padding; draft: its
+   rejected tail), never by copying.
+
+Greedy output is the target's own (it is the target's argmax at every position); sampling keeps its
+distribution (Leviathan et al., arXiv 2211.17192). The loop does what most calls ask (greedy or sampling, the
+blockwise logits processors, `max_length` and EOS, a streamer); a call asking for more (`unsupported`) runs
+transformers' loop instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..cache import BudgetedCache
+from . import draft_length
+from .acceptance import sample_on_device, speculative_accept
+from .draft_length import RoundClock
+from .draft_steps import DraftSteps
+from .plan import DraftPlan
+from .processors import is_blockwise, process_block
+from .static_verify import REGISTRY, StaticVerify
+
+_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
+    """Why this call must run transformers' loop instead of the device round (`None`: it need not)."""
+    if input_ids is None or input_ids.shape[0] != 1:
+        return "the device round decodes one sequence"
+    asked = [name for name in _OUTPUTS if getattr(generation_config, name, False)]
+    if generation_config.return_dict_in_generate and asked:
+        return f"it returns {asked}"
+    processors = [p for p in kwargs.get("logits_processor") or [] if not is_blockwise(p)]
+    if processors:
+        return f"logits processors that read the ids ({[type(p).__name__ for p in processors]})"
+    known = (MaxLengthCriteria, EosTokenCriteria)
+    criteria = [c for c in kwargs.get("stopping_criteria") or [] if not isinstance(c, known)]
+    if criteria:
+        return f"stopping criteria besides max_length and EOS ({[type(c).__name__ for c in criteria]})"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return "a padded prompt"
+    if kwargs.get("synced_gpus"):
+        return "synced_gpus"
+    return None
+
+
+class DeviceRound:
+    """One call of the device round (see the module docstring). After `run`, `draft_length`, `draft_cache`,
+    `draft_prefill_seconds` and `runtime()` describe it (read by `record_speculation`)."""
+
+    def __init__(self, target, drafter, plan: DraftPlan, generation_config, logits_processor):
+        self.target, self.drafter, self.plan = target, drafter, plan
+        self.config = generation_config
+        self.processors = list(logits_processor or [])
+        self.sample = bool(generation_config.do_sample)
+        self.draft_length = draft_length.for_plan(plan)
+        length = plan.spec.draft_length
+        self.most = length if isinstance(length, int) else plan.spec.max_draft_length
+        with plan.drafting(drafter)():
+            self.draft_cache = plan.spec.build_cache(drafter.config)
+        capture = isinstance(self.draft_cache, BudgetedCache) and self.draft_cache.policy.needs_queries
+        self.steps = DraftSteps.for_plan(plan, drafter, self.draft_cache, capture_queries=capture)
+        self._drafting = plan.drafting(drafter)
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos = None if eos is None else eos.to(target.device).reshape(-1)
+        self.verify: StaticVerify | None = None
+
+    @property
+    def draft_prefill_seconds(self) -> float:
+        return self.steps.prefill.seconds
+
+    def runtime(self) -> dict:
+        """What ran in this call: the loop, the verification and the draft step (compiled or not, and how often)."""
+        return {
+            "loop": "device_round",
+            "verify": None if self.verify is None else self.verify.record.as_dict(),
+            "draft_step": self.steps.record(),
+        }
+
+    # -- a round -------------------------------------------------------------------------------------------------
+    def _process(self, logits: torch.Tensor, first_length: int) -> torch.Tensor:
+        """The call's processors on `(1, n, V)` logits whose first position follows `first_length` ids."""
+        if not self.processors:
+            return logits
+        lengths = first_length + torch.arange(logits.shape[1], device=logits.device)[None]
+        return process_block(self.processors, logits, lengths)
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """`(1, n)` tokens from processed `(1, n, V)` logits: argmax, or a draw made on the device."""
+        return sample_on_device(logits.softmax(-1)) if self.sample else logits.argmax(-1)
+
+    def _draft(
+        self, tokens: torch.Tensor, length: int, gamma: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft `gamma` tokens after `tokens[:, :length]`: `(drafts (1, γ), processed draft logits (1, γ, V))`."""
+        feed = tokens[:, self.draft_seen : length].clone()
+        drafts, scores = [], []
+        with self._drafting():
+            logits = self.steps(feed, self.draft_seen, None)
+            self.draft_seen = length
+            for k in range(gamma):
+                processed = self._process(logits[:, None], length + k)
+                token = self._pick(processed)  # (1, 1)
+                drafts.append(token)
+                scores.append(processed)
+                if k + 1 < gamma:
+                    logits = self.steps(token, length + k, None)
+                    self.draft_seen += 1
+        return torch.cat(drafts, 1), (torch.cat(scores, 1) if self.sample else None)
+
+    def _accept(
+        self, drafts: torch.Tensor, draft_logits, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(kept (), new tokens (1, γ + 1))` on the device: the round's tokens are `new[:, : kept + 1]`."""
+        gamma = drafts.shape[1]
+        if self.sample and gamma:
+            limit = torch.full((1,), gamma, dtype=torch.long, device=drafts.device)
+            kept, bonus = speculative_accept(drafts, draft_logits, logits, limit, on_device=True)
+            new = torch.cat([drafts, bonus[:, None]], 1)
+            new.scatter_(1, kept[:, None], bonus[:, None])
+            return kept[0], new
+        choice = self._pick(logits)  # (1, γ + 1); greedy: the target's argmax, agreeing drafts equal it
+        kept = (drafts == choice[:, :gamma]).long().cumprod(-1).sum(-1)[0]
+        return kept, choice
+
+    def _round(self, tokens: torch.Tensor, length: int, gamma: int) -> tuple[int, int]:
+        """Draft, verify and accept after `tokens[:, :length]`; writes the new tokens from `length` on and returns
+        `(kept, tokens up to and with the first EOS among the kept + 1, else 0)`: the round's one host read."""
+        self.clock.start()
+        drafts, draft_logits = self._draft(tokens, length, gamma) if gamma else (tokens.new_zeros(1, 0), None)
+        self.clock.drafted(gamma)
+        fed = torch.cat([tokens[:, length - 1 : length], drafts], 1)
+        logits = self._process(self.verify(fed, length - 1), length)
+        kept, new = self._accept(drafts, draft_logits, logits)
+        tokens[:, length : length + gamma + 1] = new
+        eos_end = torch.zeros_like(kept)
+        if self.eos is not None:
+            is_eos = torch.isin(new[0], self.eos) & (torch.arange(gamma + 1, device=new.device) <= kept)
+            eos_end = torch.where(is_eos.any(), is_eos.long().argmax() + 1, eos_end)
+        kept, eos_end = torch.stack([kept, eos_end]).tolist()  # the round's one synchronisation
+        return kept, eos_end
+
+    def _roll_back(self, length: int, gamma: int, kept: int) -> None:
+        """The target's cache keeps `length + kept` tokens (all but the newest), the draft's at most that."""
+        self.verify.cache.crop(-(self.verify.padded_to - 1 - kept))
+        excess = self.draft_seen - (length + kept)
+        if gamma and excess > 0:
+            self.draft_cache.note_length(self.draft_seen)
+            self.draft_cache.crop(-excess)
+            self.draft_seen -= excess
+
+    # -- the call ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, input_ids: torch.LongTensor, streamer=None, stats=None) -> torch.LongTensor:
+        """Generate after `input_ids (1, P)`; `(1, P + n)`."""
+        prompt = input_ids.shape[1]
+        budget = self.config.max_length - prompt
+        if budget <= 0:
+            return input_ids
+        cache = REGISTRY.take_cache(self.target, prompt + budget + self.most + 1)
+        try:
+            self.verify = StaticVerify(self.target, cache, self.plan.verify_compile_config, self.most + 1)
+            return self._generate(input_ids, budget, streamer, stats)
+        finally:
+            REGISTRY.give_back(self.target, cache)
+
+    def _generate(self, input_ids, budget: int, streamer, stats) -> torch.LongTensor:
+        prompt = input_ids.shape[1]
+        tokens = input_ids.new_zeros(
+            1, prompt + budget + self.most + 1
+        )  # (1, capacity): prompt, then new tokens
+        tokens[:, :prompt] = input_ids
+        self.clock = RoundClock(self.draft_length, input_ids.device)
+        self.draft_seen = 0
+        start = time.perf_counter()
+        first = self._pick(self._process(self.verify.prefill(input_ids)[:, None], prompt))  # (1, 1)
+        tokens[:, prompt : prompt + 1] = first
+        stop = self.eos is not None and bool(torch.isin(first[0], self.eos).any())
+        prefill = time.perf_counter() - start  # counted in the first round, as transformers' loop does
+        length = prompt + 1
+        self._stream(streamer, tokens, prompt, length)
+        while not stop and length - prompt < budget:
+            gamma = max(0, min(self.draft_length.next_length(), budget - (length - prompt) - 1, self.most))
+            kept, eos_end = self._round(tokens, length, gamma)
+            self._roll_back(length, gamma, kept)
+            stop = eos_end > 0
+            emitted = min(eos_end or kept + 1, budget - (length - prompt))
+            self.clock.finish(kept)
+            if stats is not None:
+                stats.add_round(gamma, kept, self.clock.draft_seconds, self.clock.verify_seconds + prefill)
+                prefill = 0.0
+            self._stream(streamer, tokens, length, length + emitted)
+            length += emitted
+        if streamer is not None:
+            streamer.end()
+        return tokens[:, :length].clone()
+
+    @staticmethod
+    def _stream(streamer, tokens: torch.Tensor, begin: int, end: int) -> None:
+        if streamer is not None and end > begin:
+            streamer.put(tokens[0, begin:end].cpu())
+
+
+def run_device_round(
+    target, drafter, plan: DraftPlan, input_ids, generation_config, kwargs: dict, stats=None
+):
+    """`_assisted_decoding` as the device round: run it, shape the result as transformers would."""
+    round_ = DeviceRound(target, drafter, plan, generation_config, kwargs.get("logits_processor"))
+    if stats is not None:
+        stats.candidate_generator = round_
+    sequences = round_.run(input_ids, kwargs.get("streamer"), stats)
+    if stats is not None:
+        stats.draft_prefill_seconds += round_.draft_prefill_seconds
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences

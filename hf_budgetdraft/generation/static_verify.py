@@ -1,0 +1,229 @@
+"""The target's side of the device round: a static full cache, and a verification forward compiled once per
+verification-length bucket (gpt-fast's `model_forward` on a fixed-size cache; transformers' static-cache decode).
+
+A verification of `n` tokens is padded to its bucket (1, 2, 4, 8, ... up to the call's longest round), so a call
+compiles a handful of shapes, once per process: the compiled calls and the static caches are kept per target in
+`TargetRegistry` (keyed weakly by the model, like transformers keeps its own static cache on the model), and reused
+by every later call of the same size. The padding writes past the verified tokens into the static cache, where
+causal masking hides it and the next round overwrites it; rollback moves the cache's write index back.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import CompileConfig, StaticCache
+from transformers.utils import logging
+
+from ..compat import cache_kwargs
+
+logger = logging.get_logger(__name__)
+CACHE_SIZE_STEP = 256  # static caches are sized in multiples of this, so calls of nearby lengths share one
+PREFILL_CHUNK = 2048  # prompt tokens per eager prefill forward (bounds the (chunk, cache size) mask)
+
+
+def verify_compile_config(device: torch.device | str) -> CompileConfig:
+    """How the verification forward compiles: fixed shapes, one whole graph; on CUDA replayed as a CUDA graph
+    without inductor's graph partitions (the draft step's setting, `compiled_step.draft_step_compile_config`)."""
+    if torch.device(device).type == "cuda":
+        return CompileConfig(
+            fullgraph=True,
+            dynamic=False,
+            mode=None,
+            options={"triton.cudagraphs": True, "graph_partition": False},
+        )
+    return CompileConfig(fullgraph=True, dynamic=False, mode=None)
+
+
+def buckets(longest: int) -> tuple[int, ...]:
+    """Verification lengths a call compiles for: powers of two below `longest`, and `longest` itself."""
+    sizes, size = [], 1
+    while size < longest:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, longest)
+
+
+def bucket_of(n: int, sizes: tuple[int, ...]) -> int:
+    """The smallest bucket that holds `n` tokens."""
+    for size in sizes:
+        if n <= size:
+            return size
+    raise ValueError(f"a verification of {n} tokens exceeds the call's longest bucket ({sizes[-1]})")
+
+
+def _config_key(config: CompileConfig) -> str:
+    return repr(sorted(config.to_dict().items(), key=lambda item: item[0]))
+
+
+@dataclass
+class _TargetState:
+    """What one target keeps across calls: free static caches by shape, compiled calls by config, shapes seen."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    free_caches: dict = field(default_factory=dict)  # (size, dtype, device) -> [StaticCache]
+    compiled: dict = field(default_factory=dict)  # config key -> compiled __call__
+    shapes: dict = field(default_factory=dict)  # config key -> {(bucket, size)} compiled so far
+
+
+class TargetRegistry:
+    """Per-target state that outlives a call, keyed weakly by the model (dropping the model drops it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def state(self, target) -> _TargetState:
+        with self._lock:
+            if target not in self._states:
+                self._states[target] = _TargetState()
+            return self._states[target]
+
+    def take_cache(self, target, tokens: int) -> StaticCache:
+        """A static cache of at least `tokens` positions, length reset; another call's cache is never shared."""
+        size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
+        key = (size, target.dtype, str(target.device))
+        state = self.state(target)
+        with state.lock:
+            free = state.free_caches.setdefault(key, [])
+            cache = free.pop() if free else None
+        if cache is None:
+            return StaticCache(config=target.config, max_cache_len=size)
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.zero_()
+        return cache
+
+    def give_back(self, target, cache: StaticCache) -> None:
+        key = (cache.layers[0].max_cache_len, target.dtype, str(target.device))
+        state = self.state(target)
+        with state.lock:
+            state.free_caches.setdefault(key, []).append(cache)
+
+    def compiled_call(self, target, config: CompileConfig):
+        """`torch.compile(target.__call__)` with `config`, built once per target and config."""
+        state = self.state(target)
+        key = _config_key(config)
+        with state.lock:
+            if key not in state.compiled:
+                state.compiled[key] = torch.compile(target.__call__, **config.to_dict())
+                state.shapes[key] = set()
+            return state.compiled[key], state.shapes[key]
+
+
+REGISTRY = TargetRegistry()
+_first_call_of_shape = threading.Lock()
+
+
+@dataclass
+class VerifyRecord:
+    """What the verification forward did in one call: calls compiled and eager, buckets, graphs compiled."""
+
+    compiled: bool = False
+    compiled_calls: int = 0
+    eager_calls: int = 0
+    buckets: dict = field(default_factory=dict)  # bucket -> verifications
+    new_shapes: int = 0  # (bucket, cache size) pairs compiled for the first time in this process by this call
+    graphs_compiled: int = 0  # dynamo graphs compiled during this call's compiled verifications
+    failure: str | None = None
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled beyond the first of each new shape (0 when nothing recompiles)."""
+        return max(0, self.graphs_compiled - self.new_shapes)
+
+    def as_dict(self) -> dict:
+        return {
+            "compiled": self.compiled,
+            "compiled_calls": self.compiled_calls,
+            "eager_calls": self.eager_calls,
+            "buckets": dict(sorted(self.buckets.items())),
+            "new_shapes": self.new_shapes,
+            "graphs_compiled": self.graphs_compiled,
+            "recompiles": self.recompiles,
+            "failure": self.failure,
+        }
+
+
+class StaticVerify:
+    """The target's forward on its static cache: `prefill(ids)` eagerly in chunks, then `__call__(tokens, start)`
+    for each verification, padded to its bucket and compiled (`compile_config`, `None`: eager). A compilation that
+    fails warns once, is recorded, and the call verifies eagerly (the same computation) from then on."""
+
+    def __init__(self, target, cache: StaticCache, compile_config: CompileConfig | None, longest: int):
+        self.target, self.cache = target, cache
+        self.sizes = buckets(longest)
+        self.record = VerifyRecord(compiled=compile_config is not None)
+        self.compiled_fn, self.shapes, self.padded_to = None, None, 0
+        if compile_config is not None:
+            self.compiled_fn, self.shapes = REGISTRY.compiled_call(target, compile_config)
+
+    def _forward(self, fn, ids: torch.Tensor, start: int):
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+        return fn(input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True).logits
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed the prompt `ids (1, P)` eagerly in chunks; the last position's logits `(1, V)` float32."""
+        logits = None
+        for start in range(0, ids.shape[1], PREFILL_CHUNK):
+            chunk = ids[:, start : start + PREFILL_CHUNK]
+            logits = self._forward(self.target, chunk, start)[:, -1]
+        return logits.float()
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Verify `tokens (1, n)` at positions `start ...`; `(1, n, V)` float32 logits (a copy: a CUDA graph's output
+        is overwritten by its next replay). The cache then holds `bucket(n)` more positions: crop what is rejected
+        and the padding."""
+        n = tokens.shape[1]
+        size = self.padded_to = bucket_of(n, self.sizes)
+        self.record.buckets[size] = self.record.buckets.get(size, 0) + 1
+        padded = torch.nn.functional.pad(tokens, (0, size - n)) if size > n else tokens
+        if self.compiled_fn is None or self.record.failure is not None:
+            self.record.eager_calls += 1
+            return self._forward(self.target, padded, start)[:, :n].float()
+        return self._compiled(padded, start, size)[:, :n].float().clone()
+
+    def _compiled(self, padded: torch.Tensor, start: int, size: int) -> torch.Tensor:
+        shape = (size, self.cache.layers[0].max_cache_len)
+        if shape in self.shapes:
+            self.record.compiled_calls += 1
+            return self._counted(padded, start)
+        with _first_call_of_shape:  # one thread compiles a shape, the others reuse it
+            graphs = self.record.graphs_compiled
+            try:
+                logits = self._counted(padded, start)
+            except Exception as error:  # any compiler failure; the eager forward is the same computation
+                return self._fall_back(error, padded, start)
+            if (
+                self.record.graphs_compiled == graphs
+            ):  # dynamo ran the frame eagerly (e.g. its recompile limit)
+                self.record.failure = "torch.compile compiled no graph for a new shape (its recompile limit?)"
+                logger.warning_once(f"the target's verification runs eagerly: {self.record.failure}")
+                self.record.eager_calls += 1
+                return logits
+            self.shapes.add(shape)
+            self.record.new_shapes += 1
+            self.record.compiled_calls += 1
+            return logits
+
+    def _counted(self, padded: torch.Tensor, start: int) -> torch.Tensor:
+        counters = torch._dynamo.utils.counters["stats"]
+        before = counters["unique_graphs"]
+        logits = self._forward(self.compiled_fn, padded, start)
+        self.record.graphs_compiled += counters["unique_graphs"] - before
+        return logits
+
+    def _fall_back(self, error: Exception, padded: torch.Tensor, start: int) -> torch.Tensor:
+        if int(self.cache.get_seq_length()) != start:  # the failed call wrote to the cache: no safe retry
+            raise error
+        self.record.failure = f"{type(error).__name__}: {error}"
+        logger.warning_once(
+            f"compiling the target's verification failed ({self.record.failure}); verifying eagerly instead "
+            "(lossless). Pass cache_config={'compile_verify': False} or generate(disable_compile=True) to skip it."
+        )
+        logger.debug("the verification's compilation failed", exc_info=True)
+        self.record.eager_calls += 1
+        return self._forward(self.target, padded, start)

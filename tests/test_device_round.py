@@ -1,0 +1,278 @@
+"""The device round (`generation/device_loop.py`, `generation/static_verify.py`) on CPU: the target on a static cache,
+verification padded to buckets and compiled (eager or counting backends here), acceptance on the device, one host
+read a round. Greedy output is the target's own on the test families; graphs compile once per shape and process;
+a failed compilation falls back losslessly without poisoning later compilations."""
+
+import pytest
+import torch
+from test_device_rules import HostReads
+from test_draft_spec import plan_for
+from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
+from transformers import CompileConfig
+
+from hf_budgetdraft import record_speculation
+from hf_budgetdraft.cache import is_full_attention_only
+from hf_budgetdraft.generation.device_rules import device_rules
+from hf_budgetdraft.generation.static_verify import REGISTRY, bucket_of, buckets
+
+ROUND = {"device_round": True}
+SIZES = {
+    "budgeted": {"budget": 32, "window_length": 16},
+    "sink_window": {"num_sink_tokens": 4, "window_length": 40},
+}
+FULL_ATTENTION = [f for f in FAMILIES if f not in ("gemma2",)]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def counting_backend():
+    """A `torch.compile` backend that runs each captured graph eagerly and records it (a plain function, so copies
+    of its `CompileConfig` compare equal)."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend, graphs
+
+
+def failing_backend(graph_module, example_inputs):
+    raise RuntimeError("forced compile failure")
+
+
+def speculate(target, drafter, ids, cache="budgeted", cache_config=None, **kwargs):
+    kwargs = {"do_sample": False, "max_new_tokens": 40, **kwargs}
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            cache_implementation=cache,
+            cache_config={**SIZES[cache], **ROUND, **(cache_config or {})},
+            **kwargs,
+        )
+    return out, stats
+
+
+def test_buckets_cover_every_length_with_few_shapes():
+    assert buckets(17) == (1, 2, 4, 8, 16, 17) and buckets(1) == (1,) and buckets(8) == (1, 2, 4, 8)
+    assert [bucket_of(n, buckets(17)) for n in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, 17]
+    with pytest.raises(ValueError, match="exceeds"):
+        bucket_of(18, buckets(17))
+
+
+def test_the_device_round_is_a_device_rule():
+    assert not device_rules("cpu").device_round and device_rules("cuda").device_round
+    assert not device_rules("mps").device_round
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    cpu = plan_for(target, drafter)
+    assert cpu.device_round is False and cpu.verify_compile_config is None
+    assert cpu.target_attention is not None  # the CPU round keeps its fast verification
+    forced = plan_for(target, drafter, cache_config=ROUND)
+    assert forced.device_round and forced.verify_compile_config is None and forced.target_attention is None
+    asked = plan_for(target, drafter, cache_config={**ROUND, "compile_verify": True})
+    assert asked.verify_compile_config.dynamic is False and asked.reasons["compile_verify"] == "cache_config"
+    off = plan_for(target, drafter, cache_config={**ROUND, "compile_verify": True}, disable_compile=True)
+    assert (
+        off.verify_compile_config is None
+        and off.reasons["compile_verify"] == "generate(disable_compile=True)"
+    )
+    with pytest.raises(ValueError, match="set device_round=True"):
+        plan_for(target, drafter, cache_config={"compile_verify": True})
+
+
+@pytest.mark.parametrize("cache", ["budgeted", "sink_window"])
+@pytest.mark.parametrize("family", FULL_ATTENTION)
+def test_greedy_output_is_the_targets_own(family, cache):
+    skip_unless_known(family)
+    if not supports(family, "sdpa"):
+        pytest.skip("no sdpa")
+    target, drafter = model_pair(family, "sdpa", num_assistant_tokens=None)
+    assert is_full_attention_only(target.config)
+    ids = random_prompt(120, seed=2)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=40)
+    out, stats = speculate(target, drafter, ids, cache, {"draft_length": 3})
+    assert torch.equal(out, expected)
+    assert stats.runtime["loop"] == "device_round" and stats.rounds > 5
+    assert (
+        0 < sum(stats.accepted_per_round) < sum(stats.proposed_per_round)
+    )  # full, partial and no acceptance
+
+
+def test_a_target_with_sliding_layers_keeps_transformers_loop():
+    target, drafter = model_pair("gemma2", "eager", num_assistant_tokens=None)
+    with pytest.raises(ValueError, match="besides full attention"):
+        plan_for(target, drafter, cache_config=ROUND)
+    assert "besides full attention" in plan_for(target, drafter).reasons["device_round"]
+
+
+def test_compiled_verification_captures_each_bucket_once_per_process(fresh_dynamo):
+    """Across rounds and calls: one graph per (bucket, cache size), never a recompilation; a second call compiles
+    nothing and reuses the static cache of the first."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    backend, graphs = counting_backend()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    ids = random_prompt(150, seed=4)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=40)
+    records = []
+    for draft_length in (3, 3, 1):
+        out, stats = speculate(
+            target,
+            drafter,
+            ids,
+            cache_config={"draft_length": draft_length, "compile_verify": True},
+            compile_config=config,
+        )
+        assert torch.equal(out, expected)
+        records.append(stats.runtime["verify"])
+    first, second, third = records
+    assert all(r["compiled"] and r["eager_calls"] == 0 and r["failure"] is None for r in records)
+    assert all(r["recompiles"] == 0 and r["compiled_calls"] > 0 for r in records)
+    assert first["new_shapes"] == len(first["buckets"]) == first["graphs_compiled"] >= 2
+    assert second["new_shapes"] == second["graphs_compiled"] == 0  # the same call again compiles nothing
+    used = set(first["buckets"]) | set(second["buckets"]) | set(third["buckets"])
+    assert len(graphs) == len(used) == sum(r["new_shapes"] for r in records)
+    # one static cache served every call (given back after each)
+    free = [c for caches in REGISTRY.state(target).free_caches.values() for c in caches]
+    assert len(free) == 1
+
+
+def test_a_failed_compilation_falls_back_once_and_does_not_poison_later_ones(fresh_dynamo, caplog):
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(150, seed=5)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    failing = CompileConfig(fullgraph=True, dynamic=False, backend=failing_backend, mode=None)
+    out, stats = speculate(
+        target,
+        drafter,
+        ids,
+        cache_config={"draft_length": 3, "compile_verify": True},
+        compile_config=failing,
+        max_new_tokens=30,
+    )
+    record = stats.runtime["verify"]
+    assert torch.equal(out, expected)
+    assert "forced compile failure" in record["failure"] and record["compiled_calls"] == 0
+    assert record["eager_calls"] == stats.rounds
+    # a later compilation in the same process, nothing reset in between, compiles and runs
+    backend, graphs = counting_backend()
+    working = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    out, stats = speculate(
+        target,
+        drafter,
+        ids,
+        cache_config={"draft_length": 3, "compile_verify": True},
+        compile_config=working,
+        max_new_tokens=30,
+    )
+    record = stats.runtime["verify"]
+    assert torch.equal(out, expected) and record["failure"] is None
+    assert record["compiled_calls"] == stats.rounds and graphs
+
+
+def test_one_host_read_a_round(fresh_dynamo):
+    """Counted over whole calls, transformers' code included: besides what a call reads once (generate()'s setup,
+    the prefill's mask and EOS checks: the same for a short and a long call), one read a round (the accepted count
+    and the EOS position, together)."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    backend, _ = counting_backend()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    ids = random_prompt(150, seed=6)
+    cache_config = {"draft_length": 3, "compile_verify": True, "static": True, "lean_step": False}
+    speculate(
+        target, drafter, ids, cache_config=cache_config, compile_config=config, eos_token_id=5
+    )  # compiles
+    per_call = []
+    for new_tokens in (30, 60):
+        with HostReads(package_only=False) as reads:
+            out, stats = speculate(
+                target,
+                drafter,
+                ids,
+                cache_config=cache_config,
+                compile_config=config,
+                eos_token_id=5,
+                max_new_tokens=new_tokens,
+            )
+        assert stats.runtime["verify"]["compiled_calls"] == stats.rounds > 5
+        assert reads.sites.pop("device_loop.py:_round") == stats.rounds
+        per_call.append(dict(reads.sites))
+    assert per_call[0] == per_call[1] and per_call[0]["device_loop.py:_generate"] == 1, per_call
+
+
+def test_sampling_runs_on_the_device_and_top_k_1_is_greedy():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(120, seed=7)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    out, stats = speculate(
+        target, drafter, ids, cache_config={"draft_length": 3}, do_sample=True, top_k=1, max_new_tokens=30
+    )
+    assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+    torch.manual_seed(0)
+    first, _ = speculate(
+        target,
+        drafter,
+        ids,
+        cache_config={"draft_length": 3},
+        do_sample=True,
+        temperature=1.5,
+        max_new_tokens=30,
+    )
+    torch.manual_seed(0)
+    again, _ = speculate(
+        target,
+        drafter,
+        ids,
+        cache_config={"draft_length": 3},
+        do_sample=True,
+        temperature=1.5,
+        max_new_tokens=30,
+    )
+    assert torch.equal(first, again) and first.shape == (1, 150) and not torch.equal(first, expected)
+
+
+def test_eos_min_new_tokens_and_a_streamer():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(120, seed=8)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=40)[0, 120:]
+    eos = int(reference[10])  # a token the target emits mid-way
+    for kwargs in ({"eos_token_id": eos}, {"eos_token_id": eos, "min_new_tokens": 12}):
+        expected = target.generate(ids, do_sample=False, max_new_tokens=40, **kwargs)
+        out, stats = speculate(target, drafter, ids, cache_config={"draft_length": 4}, **kwargs)
+        assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+    streamed = []
+
+    class Collect:
+        def put(self, value):
+            streamed.append(value.reshape(-1))
+
+        def end(self):
+            streamed.append(None)
+
+    out, _ = speculate(target, drafter, ids, cache_config={"draft_length": 4}, streamer=Collect())
+    assert streamed[-1] is None and torch.equal(torch.cat(streamed[:-1]), out[0])
+
+
+def test_what_the_round_does_not_do_runs_transformers_loop():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(120, seed=9)
+    kwargs = {"repetition_penalty": 1.3}
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30, **kwargs)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            cache_implementation="budgeted",
+            do_sample=False,
+            max_new_tokens=30,
+            cache_config=SIZES["budgeted"],
+            **kwargs,
+        )
+    assert torch.equal(out, expected) and stats.runtime["loop"] == "transformers"
+    with pytest.raises(ValueError, match="RepetitionPenalty"):
+        speculate(target, drafter, ids, max_new_tokens=30, **kwargs)
