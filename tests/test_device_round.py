@@ -61,6 +61,7 @@ def speculate(target, drafter, ids, cache="budgeted", cache_config=None, **kwarg
 
 def test_buckets_cover_every_length_with_few_shapes():
     assert buckets(17) == (1, 2, 4, 8, 16, 17) and buckets(1) == (1,) and buckets(8) == (1, 2, 4, 8)
+    assert buckets(17, coarse=True) == (1, 17) and buckets(1, coarse=True) == (1,)
     assert [bucket_of(n, buckets(17)) for n in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, 17]
     with pytest.raises(ValueError, match="exceeds"):
         bucket_of(18, buckets(17))

@@ -190,6 +190,7 @@ class DeviceRound:
         self.draft_seen = 0
         start = time.perf_counter()
         first = self._pick(self._process(self.verify.prefill(input_ids)[:, None], prompt))  # (1, 1)
+        self.verify.capture(prompt)
         tokens[:, prompt : prompt + 1] = first
         stop = self.eos is not None and bool(torch.isin(first[0], self.eos).any())
         prefill = time.perf_counter() - start  # counted in the first round, as transformers' loop does

@@ -1,8 +1,10 @@
 """The target's side of the device round: a static full cache, and a verification forward compiled once per
 verification-length bucket (gpt-fast's `model_forward` on a fixed-size cache; transformers' static-cache decode).
 
-A verification of `n` tokens is padded to its bucket (1, 2, 4, 8, ... up to the call's longest round), so a call
-compiles a handful of shapes, once per process: the compiled calls and the static caches are kept per target in
+A verification of `n` tokens is padded to its bucket, so a call compiles a handful of shapes, once per process: on
+CUDA two (1 token, a plain step; and the call's longest round: a verification of up to a few tens of tokens reads
+the same weights as one, so padding costs little there, and each bucket is a compilation of the whole target),
+elsewhere 1, 2, 4, 8, ... up to the longest round; the compiled calls and the static caches are kept per target in
 `TargetRegistry` (keyed weakly by the model, like transformers keeps its own static cache on the model), and reused
 by every later call of the same size. The padding writes past the verified tokens into the static cache, where
 causal masking hides it and the next round overwrites it; rollback moves the cache's write index back.
@@ -38,8 +40,11 @@ def verify_compile_config(device: torch.device | str) -> CompileConfig:
     return CompileConfig(fullgraph=True, dynamic=False, mode=None)
 
 
-def buckets(longest: int) -> tuple[int, ...]:
-    """Verification lengths a call compiles for: powers of two below `longest`, and `longest` itself."""
+def buckets(longest: int, coarse: bool = False) -> tuple[int, ...]:
+    """Verification lengths a call compiles for: powers of two below `longest`, and `longest` itself; `coarse`
+    (CUDA): only 1 and `longest`."""
+    if coarse:
+        return (1, longest) if longest > 1 else (1,)
     sizes, size = [], 1
     while size < longest:
         sizes.append(size)
@@ -155,7 +160,7 @@ class StaticVerify:
 
     def __init__(self, target, cache: StaticCache, compile_config: CompileConfig | None, longest: int):
         self.target, self.cache = target, cache
-        self.sizes = buckets(longest)
+        self.sizes = buckets(longest, coarse=target.device.type == "cuda")
         self.record = VerifyRecord(compiled=compile_config is not None)
         self.compiled_fn, self.shapes, self.padded_to = None, None, 0
         if compile_config is not None:
@@ -173,6 +178,18 @@ class StaticVerify:
             logits = self._forward(self.target, chunk, start)[:, -1]
         return logits.float()
 
+    def capture(self, start: int) -> None:
+        """Compile every bucket this process has not compiled yet, now (after the prefill, before the first round):
+        one forward each at `start`, rolled back after. Rounds then never compile."""
+        if self.compiled_fn is None:
+            return
+        size = self.cache.layers[0].max_cache_len
+        for bucket in self.sizes:
+            if (bucket, size) not in self.shapes and self.record.failure is None:
+                ids = torch.zeros(1, bucket, dtype=torch.long, device=self.target.device)
+                self._compiled(ids, start, bucket, counted=False)
+                self.cache.crop(-bucket)
+
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Verify `tokens (1, n)` at positions `start ...`; `(1, n, V)` float32 logits (a copy: a CUDA graph's output
         is overwritten by its next replay). The cache then holds `bucket(n)` more positions: crop what is rejected
@@ -186,27 +203,28 @@ class StaticVerify:
             return self._forward(self.target, padded, start)[:, :n].float()
         return self._compiled(padded, start, size)[:, :n].float().clone()
 
-    def _compiled(self, padded: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
+        """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:
+        recorded as a verification, not a capture)."""
         shape = (size, self.cache.layers[0].max_cache_len)
         if shape in self.shapes:
-            self.record.compiled_calls += 1
+            self.record.compiled_calls += counted
             return self._counted(padded, start)
         with _first_call_of_shape:  # one thread compiles a shape, the others reuse it
             graphs = self.record.graphs_compiled
             try:
                 logits = self._counted(padded, start)
             except Exception as error:  # any compiler failure; the eager forward is the same computation
-                return self._fall_back(error, padded, start)
-            if (
-                self.record.graphs_compiled == graphs
-            ):  # dynamo ran the frame eagerly (e.g. its recompile limit)
+                return self._fall_back(error, padded, start, counted)
+            # no graph for a new shape: dynamo ran the frame eagerly (its recompile limit, say)
+            if self.record.graphs_compiled == graphs:
                 self.record.failure = "torch.compile compiled no graph for a new shape (its recompile limit?)"
                 logger.warning_once(f"the target's verification runs eagerly: {self.record.failure}")
-                self.record.eager_calls += 1
+                self.record.eager_calls += counted
                 return logits
             self.shapes.add(shape)
             self.record.new_shapes += 1
-            self.record.compiled_calls += 1
+            self.record.compiled_calls += counted
             return logits
 
     def _counted(self, padded: torch.Tensor, start: int) -> torch.Tensor:
@@ -216,14 +234,16 @@ class StaticVerify:
         self.record.graphs_compiled += counters["unique_graphs"] - before
         return logits
 
-    def _fall_back(self, error: Exception, padded: torch.Tensor, start: int) -> torch.Tensor:
+    def _fall_back(self, error: Exception, padded: torch.Tensor, start: int, counted: bool) -> torch.Tensor:
         if int(self.cache.get_seq_length()) != start:  # the failed call wrote to the cache: no safe retry
             raise error
         self.record.failure = f"{type(error).__name__}: {error}"
         logger.warning_once(
             f"compiling the target's verification failed ({self.record.failure}); verifying eagerly instead "
-            "(lossless). Pass cache_config={'compile_verify': False} or generate(disable_compile=True) to skip it."
+            "(lossless). Pass cache_config={'compile_verify': False} or generate(disable_compile=True) to skip it. "
+            "Every compiled model shares torch._dynamo.config.recompile_limit (per code object): a process that "
+            "compiles several models may need it raised."
         )
         logger.debug("the verification's compilation failed", exc_info=True)
-        self.record.eager_calls += 1
+        self.record.eager_calls += counted
         return self._forward(self.target, padded, start)

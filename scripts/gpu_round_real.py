@@ -1,0 +1,169 @@
+"""The `real` part of `gpu_round.py`: the bundled pair on the device.
+
+Every path (the one-liner's defaults, transformers' loop, both draft caches static and dynamic, the verification
+eager, a left-padded batch of 4) against the target's own greedy output: fp32 with TF32 off (identical, or a first
+divergence at a target margin under `FP32_MARGIN`), bf16 (a first divergence only at an argmax near-tie). Then the
+one-liner against (b), `generate(cache_implementation="static")`, at 8K in bf16 with a round's exposed host time:
+with models this small the round is nearly all host time, so this is the direct measure of the loop's overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import gpu_round_rows as rows
+import torch
+from transformers import CompileConfig
+
+from hf_budgetdraft import record_speculation
+from hf_budgetdraft.demo import load_demo_models
+from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.eval.greedy_diff import divergence_margin, token_diff
+
+FP32_MARGIN = 1e-3  # fp32: a γ+1-token verification may round differently from a one-token step
+BF16_MARGIN = 0.25  # bf16: the largest |target margin| at a first divergence counted as a near-tie
+PATHS = {
+    "oneliner": ("budgeted", {}),
+    "device_round_sink_window_static": ("sink_window", {"static": True, "device_round": True}),
+    "device_round_budgeted_dynamic": ("budgeted", {"static": False, "device_round": True}),
+    "device_round_verify_eager": ("budgeted", {"device_round": True, "compile_verify": False}),
+    "transformers_loop_static": ("budgeted", {"static": True, "device_round": False}),
+    "transformers_loop_sink_window_dynamic": ("sink_window", {"static": False, "device_round": False}),
+}
+SIZES = {
+    "gpu": dict(context=8192, new_tokens=128, repeats=3),
+    "smoke": dict(context=200, new_tokens=12, repeats=1),
+}
+
+
+def _prompts(tokenizer, context: int, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The last `context` tokens of the bundled held-out play, and four shorter rows from it for the batch."""
+    ids = tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    rows_ = [ids[-(context // 2 + 37 * k) :][: context // 2 - 29 * k] for k in range(4)]
+    return ids[-context:][None].to(device), [r.to(device) for r in rows_]
+
+
+def _call(target, drafter, ids, new_tokens, cache, cache_config, smoke: bool, **kwargs):
+    if smoke and cache_config.get("device_round") is not False:  # CPU: compile without inductor
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            cache_implementation=cache,
+            cache_config=cache_config,
+            **kwargs,
+        )
+    return out, stats
+
+
+def _judge(report, target, ids, name: str, out, reference, tolerance: float) -> dict:
+    prompt = ids.shape[1]
+    diff = token_diff(out[0, prompt:], reference[0, prompt:])
+    row = {"diff_tokens": diff.diff_tokens, "first_diff": diff.first_diff}
+    if diff.first_diff is not None and diff.first_diff < min(out.shape[1], reference.shape[1]) - prompt:
+        row["target_margin"] = divergence_margin(
+            target, ids, reference[0, prompt:], out[0, prompt:], diff.first_diff
+        )
+    ok = diff.diff_tokens == 0 or abs(row.get("target_margin", float("inf"))) <= tolerance
+    report.check(name, ok, row)
+    return row
+
+
+def _batch(report, target, drafter, batch_rows, sizes, dtype_name, tolerance) -> dict:
+    """A left-padded batch of 4 against each row's own greedy output."""
+    width = max(len(r) for r in batch_rows)
+    pad = 0
+    ids = torch.stack([torch.cat([r.new_full((width - len(r),), pad), r]) for r in batch_rows])
+    mask = torch.stack([torch.cat([r.new_zeros(width - len(r)), r.new_ones(len(r))]) for r in batch_rows])
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=drafter,
+        do_sample=False,
+        max_new_tokens=sizes["new_tokens"],
+        cache_implementation="budgeted",
+        pad_token_id=pad,
+    )
+    result = {}
+    for k, row in enumerate(batch_rows):
+        alone = target.generate(row[None], do_sample=False, max_new_tokens=sizes["new_tokens"])
+        mine = torch.cat([row, out[k, width:]])[None]
+        result[k] = _judge(
+            report, target, row[None], f"real.{dtype_name}.batch_row{k}", mine, alone, tolerance
+        )
+    return result
+
+
+def identity(report, device, smoke: bool, sizes: dict) -> dict:
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        demo = load_demo_models(dtype)
+        target, drafter = demo.target.to(device), demo.drafter.to(device)
+        ids, batch_rows = _prompts(demo.tokenizer, sizes["context"], device)
+        reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
+        tolerance = FP32_MARGIN if dtype == torch.float32 else BF16_MARGIN
+        result[name] = {}
+        for path, (cache, cache_config) in PATHS.items():
+            out, stats = _call(target, drafter, ids, sizes["new_tokens"], cache, cache_config, smoke)
+            row = _judge(report, target, ids, f"real.{name}.{path}", out, reference, tolerance)
+            row.update(runtime=stats.runtime, tokens_a_round=stats.mean_accepted_length)
+            result[name][path] = row
+        result[name]["batch_of_4"] = _batch(report, target, drafter, batch_rows, sizes, name, tolerance)
+        del demo, target, drafter
+    return result
+
+
+def speed(report, device, smoke: bool, sizes: dict) -> dict:
+    """The one-liner against (b) at 8K in bf16, paired repeats, and its exposed host ms a drafting round."""
+    demo = load_demo_models(torch.bfloat16)
+    target, drafter = demo.target.to(device), demo.drafter.to(device)
+    ids, _ = _prompts(demo.tokenizer, sizes["context"], device)
+    one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
+    if smoke:
+        one_liner.update(
+            cache_config={"device_round": True, "compile_verify": True},
+            compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None),
+        )
+    calls = {"b_static_compiled": {"cache_implementation": "static"}, "d_oneliner": one_liner}
+    for kwargs in calls.values():  # warm: compilations and captures
+        rows.decode_rate(target, ids, sizes["new_tokens"], kwargs, None, 0)
+    rates = {name: [] for name in calls}
+    for repeat in range(sizes["repeats"]):
+        for name, kwargs in calls.items():
+            rates[name].append(rows.decode_rate(target, ids, sizes["new_tokens"], kwargs, None, repeat)[0])
+    spans = rows.ForwardSpans(device)
+    with spans.installed(), record_speculation() as stats:
+        target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"], **one_liner)
+    device_s = spans.device_seconds()
+    walls = [
+        d + v for d, v in zip(stats.draft_seconds_per_round, stats.verify_seconds_per_round, strict=True)
+    ]
+    host = [
+        w - d for w, d, p in zip(walls[1:], device_s[1:], stats.proposed_per_round[1:], strict=False) if p
+    ]
+    ratio = statistics.median(
+        d / b for d, b in zip(rates["d_oneliner"], rates["b_static_compiled"], strict=True)
+    )
+    result = {
+        "decode_tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "runs_tokens_per_s": rates,
+        "d_over_b": ratio,
+        "tokens_a_round": stats.mean_accepted_length,
+        "host_ms_per_drafting_round": statistics.median(host) * 1e3 if host else None,
+        "device_ms_per_round": statistics.median(device_s[1:]) * 1e3 if len(device_s) > 1 else None,
+        "runtime": stats.runtime,
+    }
+    report.check("real.speed.device_round_ran", (stats.runtime or {}).get("loop") == "device_round", result)
+    return result
+
+
+def real(report, device: torch.device, smoke: bool) -> dict:
+    sizes = SIZES["smoke" if smoke else "gpu"]
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy must be exact: no TF32 matmuls
+        torch.backends.cudnn.allow_tf32 = False
+    return {"identity": identity(report, device, smoke, sizes), "speed": speed(report, device, smoke, sizes)}

@@ -1,0 +1,343 @@
+"""The rows of `gpu_round.py`: random models, the timed calls (a) ... (d0), replayed acceptance, the device round's
+own record (what ran, synchronisations, host time a round) and the checks and goals."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import platform
+import statistics
+import time
+import warnings
+
+import gpu_cost_curves
+import torch
+import transformers
+from transformers import CompileConfig
+
+import hf_budgetdraft
+from hf_budgetdraft import record_speculation
+from hf_budgetdraft.eval.greedy_diff import divergence_margin, tie_tolerance
+from hf_budgetdraft.eval.replay import ReplayedAcceptance, divergence
+from hf_budgetdraft.eval.timing import configure_drafter
+from hf_budgetdraft.generation.device_loop import DeviceRound
+from hf_budgetdraft.generation.draft_length.clock import synchronize
+from hf_budgetdraft.generation.draft_steps import DraftSteps
+from hf_budgetdraft.generation.static_verify import StaticVerify
+
+MAX_REANCHORS = 3  # re-anchorings of the reference per row and trace before the row is reported diverged
+
+
+def environment(device: torch.device) -> dict:
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_budgetdraft": hf_budgetdraft.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def random_models(sizes: dict, device: torch.device, dtype: torch.dtype, context: int):
+    """The random target and drafter (`gpu_cost_curves.build_models`), room for the call and its longest round."""
+    positions = context + 2 * sizes["new_tokens"] + 64
+    return gpu_cost_curves.build_models(sizes["models"], device, dtype, positions)
+
+
+@torch.inference_mode()
+def sharpen(target, prompt, logit_scale: float) -> dict:
+    """Scale the LM head so the target's logits spread over about `logit_scale` (random weights give logits near
+    0, where bf16 rounding flips the argmax); the smallest top-1 margin over the prompt's last 256 positions."""
+    head = target.get_output_embeddings().weight
+    probe = prompt[:, -256:]
+    logits = target(input_ids=probe).logits[0].float()
+    head.mul_(logit_scale / max(float(logits.std()), 1e-6))
+    logits = target(input_ids=probe).logits[0].float()
+    top = logits.topk(2, dim=-1).values
+    margins = top[:, 0] - top[:, 1]
+    return {
+        "scale_to_std": logit_scale,
+        "smallest_top1_margin": float(margins.min()),
+        "median_top1_margin": float(margins.median()),
+        "bf16_tie_tolerance": tie_tolerance(torch.bfloat16),
+    }
+
+
+def _timed(target, prompt, new_tokens: int, kwargs: dict) -> tuple[float, torch.Tensor, object]:
+    synchronize(prompt.device)
+    with record_speculation() as stats:
+        began = time.perf_counter()
+        out = target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, **kwargs)
+        synchronize(prompt.device)
+        seconds = time.perf_counter() - began
+    return seconds, out, stats
+
+
+def decode_rate(target, prompt, new_tokens: int, kwargs: dict, replay: ReplayedAcceptance | None, seed: int):
+    """`(decode tokens/s after the first token, output, stats)`: `(N - 1) / (t(N) - t(1))`, replayed if asked."""
+    times, result = [], None
+    for count in (1, new_tokens):
+        if replay is not None:
+            replay.reseed(seed)
+        with replay.installed() if replay is not None else contextlib.nullcontext():
+            seconds, out, stats = _timed(target, prompt, count, kwargs)
+        times.append(seconds)
+        result = (out, stats)
+    return (new_tokens - 1) / max(times[1] - times[0], 1e-9), *result
+
+
+def row_calls(target, drafter, sizes: dict, full: bool) -> dict:
+    """name -> (generate() kwargs, replayed?): (a) ... (d0); `full=False`: (b) and (d) only."""
+    one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
+    if sizes.get("force_round"):  # the CPU smoke: the device round is a CUDA rule; compiled without inductor
+        one_liner["cache_config"] = {"device_round": True, "compile_verify": True}
+        one_liner["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    calls = {
+        "b_static_compiled": ({"cache_implementation": "static"}, False),
+        "d_oneliner": (one_liner, True),
+    }
+    if not full:
+        return calls
+    stock = copy.deepcopy(drafter)  # transformers' defaults, as loaded
+    zero = copy.deepcopy(one_liner)
+    zero["cache_config"] = {**zero.get("cache_config", {}), "draft_length": 0}
+    calls.update(
+        a_plain=({}, False),
+        c_stock_default=({"assistant_model": stock, "cache_implementation": "static"}, True),
+        c_stock_gamma=({"assistant_model": copy.deepcopy(drafter), "cache_implementation": "static"}, True),
+        d0_oneliner_no_draft=(zero, False),
+    )
+    return calls
+
+
+def _reference(target, prompt, length: int) -> torch.Tensor:
+    """The target's greedy continuation on (b)'s path, `length` new tokens (untimed)."""
+    return target.generate(prompt, do_sample=False, max_new_tokens=length, cache_implementation="static")
+
+
+def _measure(target, prompt, sizes, name, kwargs, replay, seed, judged: dict) -> float:
+    """One timed row; a divergence from the reference re-anchors it (untimed, counted) and the row is re-run."""
+    for _ in range(MAX_REANCHORS + 1):
+        rate, out, stats = decode_rate(target, prompt, sizes["new_tokens"], kwargs, replay, seed)
+        at = divergence(out, judged["reference"], prompt.shape[1])
+        if at is None:
+            judged.setdefault("runtime", {})[name] = stats.runtime
+            judged.setdefault("proposed", {})[name] = stats.proposed_per_round[1:]
+            judged.setdefault("tokens_a_round", {})[name] = (
+                stats.mean_accepted_length if stats.rounds else None
+            )
+            return rate
+        margin = divergence_margin(
+            target,
+            prompt,
+            judged["reference"][0, prompt.shape[1] :],
+            out[0, prompt.shape[1] :],
+            at - prompt.shape[1],
+        )
+        judged.setdefault("divergences", []).append({"row": name, "position": at, "target_margin": margin})
+        extra = judged["reference"].shape[1] - at - 1
+        judged["reference"] = _reference(target, out[:, : at + 1], extra)
+        if replay is not None:
+            replay.reference = judged["reference"]
+    judged.setdefault("unresolved", []).append(name)
+    return rate
+
+
+def compare(report, target, drafter, prompt, sizes: dict, traces: dict, full: bool) -> dict:
+    """Every row, paired repeats, each trace; ratios to (b) per repeat, medians; the device round's record."""
+    calls = row_calls(target, drafter, sizes, full)
+    extra = sizes["new_tokens"] + sizes["trace_depth"] + 2
+    judged = {"reference": _reference(target, prompt, extra)}
+    compile_seconds = {}
+    for name, (kwargs, _) in calls.items():  # the warm pass: compilations and captures, timed apart
+        cold, _, _ = _timed(target, prompt, sizes["new_tokens"], kwargs)
+        warm, _, _ = _timed(target, prompt, sizes["new_tokens"], kwargs)
+        compile_seconds[name] = round(cold - warm, 3)
+    rates = {}
+    for repeat in range(sizes["repeats"]):
+        for trace_name, trace in traces.items():
+            replay = ReplayedAcceptance(judged["reference"], trace, sizes["models"]["vocab"])
+            for name, (kwargs, replayed) in calls.items():
+                if name == "c_stock_gamma":
+                    gamma = _typical_gamma(judged, trace_name)
+                    configure_drafter(kwargs["assistant_model"], gamma)
+                key = f"{name} | {trace_name}" if replayed else name
+                if not replayed and trace_name != next(iter(traces)):
+                    continue
+                rate = _measure(
+                    target, prompt, sizes, key, kwargs, replay if replayed else None, repeat, judged
+                )
+                rates.setdefault(key, []).append(rate)
+    result = _summarise(rates, judged, compile_seconds, traces)
+    result["round"] = device_round_record(target, prompt, sizes, calls["d_oneliner"][0], judged, traces)
+    return result
+
+
+def _typical_gamma(judged: dict, trace_name: str) -> int:
+    """The one-liner's median drafted length in its drafting rounds with this trace (measured before (c) in each
+    repeat)."""
+    drafted = [p for p in judged["proposed"][f"d_oneliner | {trace_name}"] if p]
+    return max(1, round(statistics.median(drafted))) if drafted else 1
+
+
+def _summarise(rates: dict, judged: dict, compile_seconds: dict, traces: dict) -> dict:
+    b = rates["b_static_compiled"]
+    ratios = {}
+    for key, values in rates.items():
+        pairs = [v / b[i % len(b)] for i, v in enumerate(values)]
+        ratios[key] = statistics.median(pairs)
+    return {
+        "decode_tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
+        "runs_tokens_per_s": rates,
+        "ratio_to_b": ratios,
+        "compile_and_capture_s": compile_seconds,
+        "tokens_a_round": judged.get("tokens_a_round", {}),
+        "runtime": judged.get("runtime", {}),
+        "divergences": judged.get("divergences", []),
+        "unresolved_divergences": judged.get("unresolved", []),
+        "traces": traces,
+        "replay": "replayed acceptance (hf_budgetdraft.eval.replay): random weights, proposals set from each trace",
+    }
+
+
+class ForwardSpans:
+    """Times every verification and draft forward of the device round with CUDA events (host clock on CPU),
+    grouped by round: a round's wall time minus its forwards' device time is its exposed host time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.rounds = device.type == "cuda", []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _wrap(self, function):
+        spans = self
+
+        def timed(*args, **kwargs):
+            begin = spans._mark()
+            out = function(*args, **kwargs)
+            if spans.rounds:
+                spans.rounds[-1].append((begin, spans._mark()))
+            return out
+
+        return timed
+
+    @contextlib.contextmanager
+    def installed(self):
+        originals = (StaticVerify.__call__, DraftSteps.__call__, DeviceRound._round)
+        spans = self
+
+        def round_(round_self, *args, **kwargs):
+            spans.rounds.append([])
+            return originals[2](round_self, *args, **kwargs)
+
+        StaticVerify.__call__, DraftSteps.__call__ = self._wrap(originals[0]), self._wrap(originals[1])
+        DeviceRound._round = round_
+        try:
+            yield self
+        finally:
+            StaticVerify.__call__, DraftSteps.__call__, DeviceRound._round = originals
+
+    def device_seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [sum(b.elapsed_time(e) / 1e3 for b, e in spans) for spans in self.rounds]
+        return [sum(e - b for b, e in spans) for spans in self.rounds]
+
+
+def device_round_record(target, prompt, sizes: dict, kwargs: dict, judged: dict, traces: dict) -> dict:
+    """The one-liner's own record with the first trace: exposed host ms a drafting round, synchronisations a round."""
+    trace = next(iter(traces.values()))
+    replay = ReplayedAcceptance(judged["reference"], trace, sizes["models"]["vocab"])
+    spans = ForwardSpans(prompt.device)
+    with replay.installed(), spans.installed():
+        _, _, stats = _timed(target, prompt, sizes["new_tokens"], kwargs)
+    device = spans.device_seconds()
+    walls = [
+        d + v for d, v in zip(stats.draft_seconds_per_round, stats.verify_seconds_per_round, strict=True)
+    ]
+    host = [w - d for w, d, p in zip(walls[1:], device[1:], stats.proposed_per_round[1:], strict=False) if p]
+    record = {
+        "rounds": stats.rounds,
+        "host_ms_per_drafting_round": statistics.median(host) * 1e3 if host else None,
+        "device_ms_per_round": statistics.median(device[1:]) * 1e3 if len(device) > 1 else None,
+        "runtime": stats.runtime,
+        "synchronisations_per_round": synchronisations(target, prompt, sizes, kwargs, replay),
+    }
+    return record
+
+
+def synchronisations(target, prompt, sizes: dict, kwargs: dict, replay) -> float | None:
+    """Synchronisations a round on CUDA, seen by torch's sync debug mode (transformers' code and C++ ops too): the
+    difference between a call of N and of 2N tokens, over the difference in rounds (the per-call ones cancel)."""
+    if prompt.device.type != "cuda":
+        return None
+    counts = []
+    for tokens in (sizes["new_tokens"], 2 * sizes["new_tokens"]):
+        replay.reseed(0)
+        with warnings.catch_warnings(record=True) as caught, replay.installed():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _, _, stats = _timed(target, prompt, tokens, kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts.append((sum("synchroniz" in str(w.message) for w in caught), stats.rounds))
+    (s1, r1), (s2, r2) = counts
+    return (s2 - s1) / max(r2 - r1, 1)
+
+
+def judge(report, result: dict, name: str, goal: float | None) -> None:
+    """The device round's must-holds as checks; the speed goals reported in `result["goals"]`."""
+    record = result["round"]
+    runtime = record["runtime"] or {}
+    verify, draft = runtime.get("verify") or {}, runtime.get("draft_step") or {}
+    on_gpu = result["device"] == "cuda"
+    report.check(f"{name}.device_round_ran", runtime.get("loop") == "device_round", runtime)
+    report.check(
+        f"{name}.compiled_ran",
+        verify.get("compiled_calls", 0) > 0 and not verify.get("failure") and not draft.get("failure"),
+        {"verify": verify, "draft_step": draft},
+    )
+    warm = [
+        r.get("verify") or {} for r in result["runtime"].values() if (r or {}).get("loop") == "device_round"
+    ]
+    report.check(
+        f"{name}.no_recompiles", all(v.get("new_shapes", 0) == v.get("recompiles", 0) == 0 for v in warm)
+    )
+    ratios = result["ratio_to_b"]
+    if on_gpu:  # timings: checked on the GPU only (the CPU smoke's tiny models measure nothing)
+        report.check(f"{name}.one_sync_a_round", (record["synchronisations_per_round"] or 99) <= 1.05, record)
+        report.check(f"{name}.host_ms", (record["host_ms_per_drafting_round"] or 99) <= 1.0, record)
+        if "d0_oneliner_no_draft" in ratios:
+            report.check(f"{name}.ar_round_vs_b", ratios["d0_oneliner_no_draft"] >= 1 / 1.05, ratios)
+    report.check(f"{name}.outputs", not result["unresolved_divergences"], result["divergences"])
+    result["goals"] = goals(ratios, goal)
+
+
+def goals(ratios: dict, goal: float | None) -> dict:
+    """(d) over (b) with each bundled trace against `goal`, over (c) by 1.3, never under 0.95 (b)."""
+    out = {}
+    for key, ratio in ratios.items():
+        if not key.startswith("d_oneliner | "):
+            continue
+        trace = key.split(" | ", 1)[1]
+        row = {"d_over_b": ratio, "never_below_0.95": ratio >= 0.95}
+        if goal is not None and not trace.startswith("paper"):
+            row["goal_d_over_b"], row["met"] = goal, ratio >= goal
+        stock = [ratios.get(f"{c} | {trace}") for c in ("c_stock_default", "c_stock_gamma")]
+        stock = [s for s in stock if s is not None]
+        if stock:
+            row["d_over_best_c"] = ratio / max(stock)
+            row["met_over_c"] = row["d_over_best_c"] >= 1.3
+        else:
+            row["d_over_best_c"] = "not measured"
+        out[trace] = row
+    return out

@@ -1,0 +1,58 @@
+"""`scripts/gpu_round.py --cpu-smoke`: the GPU round's logic at tiny sizes on CPU, every part in its own process.
+
+The GPU figures cannot be made here; this proves the prepared run goes end to end and writes what the GPU run will:
+the commit in every JSON, the rows (a) ... (d0) with replayed acceptance per trace, the device round's record of
+what ran, and the bundled pair's identity on every path."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_round.py"
+
+
+def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--commit", "abc123", "--cpu-smoke"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    merged = json.loads((tmp_path / "gpu_round.json").read_text())
+    assert done.returncode == 0 and merged["all_passed"], done.stdout[-3000:] + done.stderr[-3000:]
+    assert merged["commit"] == "abc123" and set(merged["parts"]) == {"synthetic_160", "long", "real"}
+    for part in merged["parts"].values():
+        assert part["commit"] == "abc123" and part["exit_code"] == 0 and not part["errors"]
+
+    synthetic = merged["parts"]["synthetic_160"]["synthetic_160"]
+    traces = set(synthetic["traces"])
+    assert traces == {"licences (4K trace)", "king_john (4K trace)", "paper alpha=0.55 (8K)"}
+    replayed = {
+        f"{row} | {trace}" for row in ("c_stock_default", "c_stock_gamma", "d_oneliner") for trace in traces
+    }
+    assert set(synthetic["ratio_to_b"]) == replayed | {"a_plain", "b_static_compiled", "d0_oneliner_no_draft"}
+    assert (
+        synthetic["ratio_to_b"]["b_static_compiled"] == 1.0 and "replayed acceptance" in synthetic["replay"]
+    )
+    for key in replayed:
+        if key.startswith("d_"):
+            verify = synthetic["runtime"][key]["verify"]
+            assert synthetic["runtime"][key]["loop"] == "device_round" and verify["compiled_calls"] > 0
+            assert verify["new_shapes"] == verify["recompiles"] == 0  # compiled in the warm pass, never again
+    assert set(synthetic["goals"]) == traces and synthetic["round"]["host_ms_per_drafting_round"] is not None
+    assert 0 <= synthetic["margins"]["smallest_top1_margin"] <= synthetic["margins"]["median_top1_margin"]
+    assert synthetic["margins"]["median_top1_margin"] > 0
+
+    long = merged["parts"]["long"]["long_224"]
+    assert {k.split(" | ")[0] for k in long["ratio_to_b"]} == {"b_static_compiled", "d_oneliner"}
+
+    real = merged["parts"]["real"]["real"]
+    for dtype in ("float32", "bfloat16"):
+        paths = real["identity"][dtype]
+        assert all(row["diff_tokens"] == 0 for name, row in paths.items() if name != "batch_of_4")
+        assert all(row["diff_tokens"] == 0 for row in paths["batch_of_4"].values())
+        assert paths["device_round_sink_window_static"]["runtime"]["loop"] == "device_round"
+        assert paths["transformers_loop_static"]["runtime"]["loop"] == "transformers"
+    assert real["speed"]["runtime"]["loop"] == "device_round" and real["speed"]["d_over_b"] > 0
