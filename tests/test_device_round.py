@@ -277,3 +277,15 @@ def test_what_the_round_does_not_do_runs_transformers_loop():
     assert torch.equal(out, expected) and stats.runtime["loop"] == "transformers"
     with pytest.raises(ValueError, match="RepetitionPenalty"):
         speculate(target, drafter, ids, max_new_tokens=30, **kwargs)
+
+
+def test_calls_in_and_out_of_inference_mode_share_nothing_they_cannot():
+    """A static cache filled under `torch.inference_mode()` holds inference tensors; a later call outside it gets
+    a cache of its own instead of failing on an in-place update."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(100, seed=11)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=20)
+    with torch.inference_mode():
+        inside, _ = speculate(target, drafter, ids, max_new_tokens=20)
+    outside, _ = speculate(target, drafter, ids, max_new_tokens=20)
+    assert torch.equal(inside, expected) and torch.equal(outside, expected)

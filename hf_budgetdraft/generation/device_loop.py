@@ -182,9 +182,8 @@ class DeviceRound:
 
     def _generate(self, input_ids, budget: int, streamer, stats) -> torch.LongTensor:
         prompt = input_ids.shape[1]
-        tokens = input_ids.new_zeros(
-            1, prompt + budget + self.most + 1
-        )  # (1, capacity): prompt, then new tokens
+        # (1, capacity): the prompt, then the new tokens (a round writes up to γ + 1 past the budget)
+        tokens = input_ids.new_zeros(1, prompt + budget + self.most + 1)
         tokens[:, :prompt] = input_ids
         self.clock = RoundClock(self.draft_length, input_ids.device)
         self.draft_seen = 0

@@ -87,10 +87,15 @@ class TargetRegistry:
                 self._states[target] = _TargetState()
             return self._states[target]
 
+    @staticmethod
+    def _key(size: int, target) -> tuple:
+        # a cache first filled under inference mode holds inference tensors, which only inference mode may update
+        return size, target.dtype, str(target.device), torch.is_inference_mode_enabled()
+
     def take_cache(self, target, tokens: int) -> StaticCache:
         """A static cache of at least `tokens` positions, length reset; another call's cache is never shared."""
         size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
-        key = (size, target.dtype, str(target.device))
+        key = self._key(size, target)
         state = self.state(target)
         with state.lock:
             free = state.free_caches.setdefault(key, [])
@@ -103,7 +108,7 @@ class TargetRegistry:
         return cache
 
     def give_back(self, target, cache: StaticCache) -> None:
-        key = (cache.layers[0].max_cache_len, target.dtype, str(target.device))
+        key = self._key(cache.layers[0].max_cache_len, target)
         state = self.state(target)
         with state.lock:
             state.free_caches.setdefault(key, []).append(cache)
