@@ -1,0 +1,214 @@
+"""Train a target that reads far context, within one GPU run of a few minutes, on the offline corpus.
+
+    python scripts/prepare_corpus.py --out data/corpus                                 # CPU, once
+    python scripts/train_far_target.py prepare --corpus data/corpus --data data/far      # CPU: ~15 MB of tokens
+    python scripts/train_far_target.py train --data data/far --out runs/far --minutes 6  # one GPU run
+    python scripts/train_far_target.py train --data data/far --out runs/far2 --init runs/far/model --minutes 6
+    python scripts/train_far_target.py train --data D --out O --cpu-smoke                # tiny, on CPU (tested)
+
+Why: the bundled target (`train_target.py`, 2-core CPU) never formed induction heads and retrieves only its
+trained passkey format, so a draft's KV budget barely changes what it can predict. A GPU sees tens of times the
+tokens those runs did. The rows (`far_target_data.py`): natural text, passages that reappear 64 to 8K tokens after
+they were seen (scored on the reappearance), and facts in invented wordings recalled at the row's end (scored on
+the answer); a curriculum of row lengths over the time budget (`--lengths`), short rows first, where copying forms
+cheaply, then long ones, where it must reach far.
+
+Model: the bundled target's family (GLM-4 dense layers, partial RoPE with base 1e4 on half of each head, one MTP
+layer slot), wider and deeper (`--hidden`, `--layers`; ~15M parameters by default). AdamW, warm-up then cosine over
+the time budget (not a step count), bf16 autocast, every row weighing the same in the loss, seeded. Writes
+`<out>/model` (`save_pretrained`, safetensors shards of at most 15 MB: what the device tool brings back) every
+`--save-minutes` and at the end, and `<out>/log.jsonl`; `--init` continues from weights alone (an optimizer's
+state does not travel back). The held-out measurements (copy by distance, retrieval in untrained formats,
+perplexity) run on CPU afterwards (`hf_budgetdraft.eval.far_context`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import far_target_data as data  # noqa: E402
+from train_target import MTP_MOE  # noqa: E402
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "hf_budgetdraft" / "demo" / "tokenizer"
+SMOKE = dict(hidden=64, layers=2, heads=4, step_tokens=1024, lengths="0:64,0.5:128", seconds=8.0)
+
+
+def far_config(tokenizer, hidden: int, layers: int, heads: int, max_position: int) -> Glm4MoeConfig:
+    return Glm4MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,  # every main layer dense; the MTP slot is GLM-4's small MoE
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=hidden // heads,
+        partial_rotary_factor=0.5,  # content matching on the unrotated half does not depend on distance
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        max_position_embeddings=max_position,
+        num_mtp_layers=1,
+        **MTP_MOE,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def length_at(fraction: float, schedule: str) -> int:
+    """The row length at `fraction` of the time budget: `"0:512,0.3:2048,0.6:8192"` (from-fraction:length)."""
+    length = None
+    for part in schedule.split(","):
+        start, value = part.split(":")
+        if fraction >= float(start):
+            length = int(value)
+    return length
+
+
+def lr_at(fraction: float, peak: float, warmup: float = 0.03) -> float:
+    if fraction < warmup:
+        return peak * fraction / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (fraction - warmup) / (1 - warmup)))))
+
+
+def train_step(model, optimizer, ids, mask, device) -> tuple[float, torch.Tensor]:
+    """One step on `ids (B, L + 1)` scored where `mask (B, L)` says; `(loss, per-row losses (B,))`."""
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(input_ids=ids[:, :-1]).logits
+    losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
+    rows = (losses * mask).sum(1) / mask.sum(1).clamp(min=1)  # every row weighs the same
+    loss = rows.mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss), rows.detach()
+
+
+def save(model, out: Path) -> None:
+    model.save_pretrained(out / "model", safe_serialization=True, max_shard_size="15MB")
+
+
+def train(args) -> dict:
+    torch.manual_seed(args.seed)
+    device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
+    longest = max(int(part.split(":")[1]) for part in args.lengths.split(","))
+    if args.init:
+        model = Glm4MoeForCausalLM.from_pretrained(args.init, use_safetensors=True)
+    else:
+        model = Glm4MoeForCausalLM(far_config(tokenizer, args.hidden, args.layers, args.heads, 2 * longest))
+    model.to(device).train()
+    parameters = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    rows = data.Rows(tokenizer, data.load_tokens(args.data, "train"), args.seed)
+    weights = [float(w) for w in args.mix.split("/")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = (args.out / "log.jsonl").open("a")
+    start = last_save = time.perf_counter()
+    step, tokens = 0, 0
+    while (elapsed := time.perf_counter() - start) < args.seconds:
+        fraction = elapsed / args.seconds
+        length = length_at(fraction, args.lengths)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(fraction, args.lr)
+        ids, mask, kinds = rows.batch(max(1, args.step_tokens // length), length, weights)
+        loss, per_row = train_step(model, optimizer, ids, mask, device)
+        step, tokens = step + 1, tokens + ids.numel()
+        if step % args.log_every == 0:
+            by_kind = {
+                k: float(per_row[[i for i, x in enumerate(kinds) if x == k]].mean()) for k in set(kinds)
+            }
+            record = dict(
+                step=step,
+                seconds=round(elapsed, 1),
+                length=length,
+                loss=loss,
+                by_kind=by_kind,
+                tokens=tokens,
+                tokens_per_s=round(tokens / max(elapsed, 1e-9)),
+            )
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(record, flush=True)
+        if time.perf_counter() - last_save > args.save_minutes * 60:
+            save(model, args.out)
+            last_save = time.perf_counter()
+    save(model, args.out)
+    summary = dict(
+        steps=step,
+        tokens=tokens,
+        seconds=round(time.perf_counter() - start, 1),
+        parameters=parameters,
+        device=str(device),
+        args={k: str(v) for k, v in vars(args).items()},
+    )
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="tokenise the corpus, held out by content")
+    prep.add_argument("--corpus", type=Path, default=Path("data/corpus"))
+    prep.add_argument("--data", type=Path, default=Path("data/far"))
+    run = sub.add_parser("train", help="train for a time budget")
+    run.add_argument("--data", type=Path, default=Path("data/far"))
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--init", type=Path, help="continue from these weights (a saved <out>/model)")
+    run.add_argument("--minutes", type=float, default=6.0, help="the time budget of the training loop")
+    run.add_argument("--hidden", type=int, default=384)
+    run.add_argument("--layers", type=int, default=8)
+    run.add_argument("--heads", type=int, default=12)
+    run.add_argument(
+        "--step-tokens", type=int, default=65536, help="tokens a step (rows = this / row length)"
+    )
+    run.add_argument("--lengths", default="0:512,0.25:2048,0.55:8192", help="from-fraction:row-length")
+    run.add_argument("--mix", default="4/4/2", help="weights of the row kinds text/copy/fact")
+    run.add_argument("--lr", type=float, default=2e-3)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--log-every", type=int, default=10)
+    run.add_argument("--save-minutes", type=float, default=2.0)
+    run.add_argument("--cpu-smoke", action="store_true", help="a tiny model for seconds on CPU")
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        args.seconds = args.minutes * 60
+        if args.cpu_smoke:
+            for name, value in SMOKE.items():
+                setattr(args, name, value)
+            args.log_every = 1
+        if not 0 < args.seconds <= 3600 or not 64 <= args.step_tokens <= 1 << 22:
+            parser.error("--minutes must be in (0, 60] and --step-tokens in [64, 4M]")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    random.seed(0)
+    if args.command == "prepare":
+        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
+        print(json.dumps(data.prepare(tokenizer, args.corpus, args.data), indent=2))
+    else:
+        print(json.dumps(train(args), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
