@@ -95,6 +95,8 @@ def synthetic(report: Report, device: torch.device, sizes: dict, context: int, f
     result = {"context": context, "dtype": "bfloat16", "device": device.type}
     result["margins"] = rows.sharpen(target, prompt, sizes["logit_scale"])
     traces = survival_traces(context, sizes["trace_depth"])
+    if sizes.get("traces"):  # --traces: the names that start with one of these
+        traces = {k: v for k, v in traces.items() if k.startswith(tuple(sizes["traces"]))}
     result.update(rows.compare(report, target, drafter, prompt, sizes, traces, full=full))
     rows.judge(report, result, f"{'synthetic' if full else 'long'}.{context}", GOALS.get(context))
     return result
@@ -129,6 +131,9 @@ def orchestrate(args) -> int:
         command = [sys.executable, __file__, "--out", str(args.out), "--commit", args.commit, "--part", part]
         command += ["--contexts", *map(str, contexts)] if contexts else []
         command += ["--cpu-smoke"] if args.cpu_smoke else []
+        command += ["--traces", *args.traces] if args.traces else []
+        for flag, value in (("--repeats", args.repeats), ("--new-tokens", args.new_tokens)):
+            command += [flag, str(value)] if value is not None else []
         began = time.perf_counter()
         code = subprocess.run(command, check=False).returncode
         part_file = args.out / f"part_{name}.json"
@@ -154,10 +159,21 @@ def parse(argv):
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="synthetic / long contexts")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the logic, not the GPU")
+    parser.add_argument(
+        "--traces", nargs="+", help="only the traces whose names start so (e.g. king_john paper)"
+    )
+    parser.add_argument("--repeats", type=int, help="paired repeats (default 3 on the GPU)")
+    parser.add_argument(
+        "--new-tokens", type=int, help="tokens each timed call decodes (default 128 on the GPU)"
+    )
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in this process
     args = parser.parse_args(argv)
     if args.contexts and (min(args.contexts) < 64 or max(args.contexts) > 262144):
         parser.error("--contexts must be in [64, 262144]")
+    if (args.repeats is not None and not 1 <= args.repeats <= 20) or (
+        args.new_tokens is not None and not 8 <= args.new_tokens <= 4096
+    ):
+        parser.error("--repeats must be in [1, 20] and --new-tokens in [8, 4096]")
     if not args.cpu_smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --cpu-smoke")
     return args
@@ -172,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     # draft step, transformers' own static decode): raised explicitly here, as a user compiling several would
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     sizes = copy.deepcopy(SMOKE if args.cpu_smoke else GPU)
+    overrides = {"traces": args.traces, "repeats": args.repeats, "new_tokens": args.new_tokens}
+    sizes.update({k: v for k, v in overrides.items() if v is not None})
     name = args.part + ("".join(f"_{c}" for c in args.contexts) if args.contexts else "")
     report = Report(args.out / f"part_{name}.json", "cpu-smoke" if args.cpu_smoke else "gpu", 1e9, 0.0)
     report.data.update(commit=args.commit, part=args.part, sizes=sizes, environment=rows.environment(device))

@@ -105,6 +105,30 @@ def test_greedy_output_is_the_targets_own(family, cache):
     )  # full, partial and no acceptance
 
 
+@pytest.mark.parametrize("family", FULL_ATTENTION)
+def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
+    """The verification traced by dynamo (a counting backend runs each graph eagerly): one graph per bucket, the
+    output the target's own."""
+    skip_unless_known(family)
+    target, drafter = model_pair(family, "sdpa", num_assistant_tokens=None)
+    backend, graphs = counting_backend()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    ids = random_prompt(120, seed=3)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    out, stats = speculate(
+        target,
+        drafter,
+        ids,
+        cache_config={"draft_length": 3, "compile_verify": True},
+        compile_config=config,
+        max_new_tokens=30,
+    )
+    verify = stats.runtime["verify"]
+    assert torch.equal(out, expected)
+    assert verify["failure"] is None and verify["compiled_calls"] == stats.rounds and verify["eager_calls"] == 0
+    assert len(graphs) == verify["new_shapes"] == 3 and verify["recompiles"] == 0  # buckets 1, 2, 4
+
+
 def test_a_target_with_sliding_layers_keeps_transformers_loop():
     target, drafter = model_pair("gemma2", "eager", num_assistant_tokens=None)
     with pytest.raises(ValueError, match="besides full attention"):
