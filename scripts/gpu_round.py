@@ -51,8 +51,8 @@ GPU = dict(
     models={k: gpu_cost_curves.GPU[k] for k in ("vocab", "target", "drafter")},
     contexts=[8192, 32768],
     long_context=131072,
-    new_tokens=128,
-    repeats=3,
+    new_tokens=96,
+    repeats=2,
     logit_scale=20.0,
     trace_depth=16,
 )
@@ -162,9 +162,9 @@ def parse(argv):
     parser.add_argument(
         "--traces", nargs="+", help="only the traces whose names start so (e.g. king_john paper)"
     )
-    parser.add_argument("--repeats", type=int, help="paired repeats (default 3 on the GPU)")
+    parser.add_argument("--repeats", type=int, help="paired repeats (default 2 on the GPU)")
     parser.add_argument(
-        "--new-tokens", type=int, help="tokens each timed call decodes (default 128 on the GPU)"
+        "--new-tokens", type=int, help="tokens each timed call decodes (default 96 on the GPU)"
     )
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in this process
     args = parser.parse_args(argv)
