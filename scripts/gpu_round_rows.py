@@ -152,7 +152,9 @@ def compare(report, target, drafter, prompt, sizes: dict, traces: dict, full: bo
     extra = sizes["new_tokens"] + sizes["trace_depth"] + 2
     judged = {"reference": _reference(target, prompt, extra)}
     compile_seconds = {}
-    warm_replay = ReplayedAcceptance(judged["reference"], next(iter(traces.values())), sizes["models"]["vocab"])
+    warm_replay = ReplayedAcceptance(
+        judged["reference"], next(iter(traces.values())), sizes["models"]["vocab"]
+    )
     for name, (kwargs, replayed) in calls.items():  # the warm pass: compilations and captures, timed apart
         # replayed rows warm with the rounds they will time (a stock loop compiles each verification length)
         with warm_replay.installed() if replayed else contextlib.nullcontext():
