@@ -13,7 +13,8 @@ from transformers import CompileConfig
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.cache import is_full_attention_only
 from hf_budgetdraft.generation.device_rules import device_rules
-from hf_budgetdraft.generation.static_verify import REGISTRY, bucket_of, buckets
+from hf_budgetdraft.generation.model_state import model_state
+from hf_budgetdraft.generation.static_verify import bucket_of, buckets
 
 ROUND = {"device_round": True}
 SIZES = {
@@ -125,7 +126,9 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
     )
     verify = stats.runtime["verify"]
     assert torch.equal(out, expected)
-    assert verify["failure"] is None and verify["compiled_calls"] == stats.rounds and verify["eager_calls"] == 0
+    assert (
+        verify["failure"] is None and verify["compiled_calls"] == stats.rounds and verify["eager_calls"] == 0
+    )
     assert len(graphs) == verify["new_shapes"] == 3 and verify["recompiles"] == 0  # buckets 1, 2, 4
 
 
@@ -163,7 +166,7 @@ def test_compiled_verification_captures_each_bucket_once_per_process(fresh_dynam
     used = set(first["buckets"]) | set(second["buckets"]) | set(third["buckets"])
     assert len(graphs) == len(used) == sum(r["new_shapes"] for r in records)
     # one static cache served every call (given back after each)
-    free = [c for caches in REGISTRY.state(target).free_caches.values() for c in caches]
+    free = [c for caches in model_state(target).free_caches.values() for c in caches]
     assert len(free) == 1
 
 
@@ -313,3 +316,27 @@ def test_calls_in_and_out_of_inference_mode_share_nothing_they_cannot():
         inside, _ = speculate(target, drafter, ids, max_new_tokens=20)
     outside, _ = speculate(target, drafter, ids, max_new_tokens=20)
     assert torch.equal(inside, expected) and torch.equal(outside, expected)
+
+
+def test_a_dropped_model_takes_its_state_along(fresh_dynamo):
+    """The per-model state (static caches, compiled verification, the draft step's rent) is keyed weakly: nothing
+    it holds keeps the model alive."""
+    import gc
+    import weakref
+
+    from hf_budgetdraft.generation.compiled_step import record_eager_steps
+
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    backend, _ = counting_backend()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    speculate(
+        target, drafter, random_prompt(80), cache_config={"compile_verify": True}, compile_config=config
+    )
+    record_eager_steps(drafter, 1.0)
+    assert (
+        model_state(target).compiled and model_state(target).free_caches and model_state(drafter).rent == 1.0
+    )
+    alive = weakref.ref(target), weakref.ref(drafter)
+    del target, drafter
+    gc.collect()
+    assert alive[0]() is None and alive[1]() is None

@@ -3,42 +3,21 @@ rent before they buy, when its compilation pays (`compile_pays`).
 
 On CPU a compilation costs seconds to tens of seconds and a step saves a fraction of a millisecond, so `"auto"`
 compiles once this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager static
-draft steps of that drafter (ski rental), and reuses a step compiled earlier in the process at once. The drafter
-holds its own rent (`EagerStepRent`): a drafter that is dropped takes it along, a copy starts from nothing.
+draft steps of that drafter (ski rental), and reuses a step compiled earlier in the process at once. The rent is the
+drafter's entry in `model_state.py` (keyed weakly by the drafter: a drafter that is dropped takes it along, a copy
+starts from nothing).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from transformers import CompileConfig
+
+from .model_state import model_state
 
 COMPILE_SECONDS_ESTIMATE = 45.0  # a cold inductor compilation of a small drafter's step on CPU
 # share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step
 COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.2}
-RENT_ATTRIBUTE = "_budgetdraft_eager_step_rent"  # where a drafter holds its `EagerStepRent`
-
-
-class EagerStepRent:
-    """The eager static draft-step seconds one drafter has spent in this process; calls on several threads add to
-    it under its lock. A copied or pickled drafter starts a rent of its own."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, seconds: float) -> None:
-        with self._lock:
-            self.seconds += seconds
-
-    def __reduce__(self):
-        return (EagerStepRent, ())
-
-
-def eager_step_rent(drafter) -> EagerStepRent:
-    """`drafter`'s rent, created on first use (`dict.setdefault`: one rent even when threads race to create it)."""
-    return vars(drafter).setdefault(RENT_ATTRIBUTE, EagerStepRent())
 
 
 def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
@@ -62,7 +41,7 @@ def draft_step_compile_config(device: torch.device | str) -> CompileConfig:
 
 def record_eager_steps(drafter, seconds: float) -> None:
     """Add eager static draft-step time spent by `drafter` in this process (the rent of the ski rental)."""
-    eager_step_rent(drafter).add(seconds)
+    model_state(drafter).add_rent(seconds)
 
 
 def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> bool:
@@ -74,4 +53,4 @@ def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> 
     ):
         return True
     saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
-    return eager_step_rent(drafter).seconds * saving >= COMPILE_SECONDS_ESTIMATE
+    return model_state(drafter).rent * saving >= COMPILE_SECONDS_ESTIMATE

@@ -33,7 +33,7 @@ from .draft_length import RoundClock
 from .draft_steps import DraftSteps
 from .plan import DraftPlan
 from .processors import is_blockwise, process_block
-from .static_verify import REGISTRY, StaticVerify
+from .static_verify import StaticVerify, give_back, take_cache
 
 _OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -173,12 +173,12 @@ class DeviceRound:
         budget = self.config.max_length - prompt
         if budget <= 0:
             return input_ids
-        cache = REGISTRY.take_cache(self.target, prompt + budget + self.most + 1)
+        cache = take_cache(self.target, prompt + budget + self.most + 1)
         try:
             self.verify = StaticVerify(self.target, cache, self.plan.verify_compile_config, self.most + 1)
             return self._generate(input_ids, budget, streamer, stats)
         finally:
-            REGISTRY.give_back(self.target, cache)
+            give_back(self.target, cache)
 
     def _generate(self, input_ids, budget: int, streamer, stats) -> torch.LongTensor:
         prompt = input_ids.shape[1]

@@ -5,7 +5,7 @@ A verification of `n` tokens is padded to its bucket, so a call compiles a handf
 CUDA two (1 token, a plain step; and the call's longest round: a verification of up to a few tens of tokens reads
 the same weights as one, so padding costs little there, and each bucket is a compilation of the whole target),
 elsewhere 1, 2, 4, 8, ... up to the longest round; the compiled calls and the static caches are kept per target in
-`TargetRegistry` (keyed weakly by the model, like transformers keeps its own static cache on the model), and reused
+`model_state.py` (keyed weakly by the model; transformers keeps its own static cache on the model itself), and reused
 by every later call of the same size. The padding writes past the verified tokens into the static cache, where
 causal masking hides it and the next round overwrites it; rollback moves the cache's write index back.
 """
@@ -13,7 +13,6 @@ causal masking hides it and the next round overwrites it; rollback moves the cac
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +20,7 @@ from transformers import CompileConfig, StaticCache
 from transformers.utils import logging
 
 from ..compat import cache_kwargs
+from .model_state import model_state
 
 logger = logging.get_logger(__name__)
 CACHE_SIZE_STEP = 256  # static caches are sized in multiples of this, so calls of nearby lengths share one
@@ -64,67 +64,52 @@ def _config_key(config: CompileConfig) -> str:
     return repr(sorted(config.to_dict().items(), key=lambda item: item[0]))
 
 
-@dataclass
-class _TargetState:
-    """What one target keeps across calls: free static caches by shape, compiled calls by config, shapes seen."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    free_caches: dict = field(default_factory=dict)  # (size, dtype, device) -> [StaticCache]
-    compiled: dict = field(default_factory=dict)  # config key -> compiled __call__
-    shapes: dict = field(default_factory=dict)  # config key -> {(bucket, size)} compiled so far
+def _cache_key(size: int, target) -> tuple:
+    # a cache first filled under inference mode holds inference tensors, which only inference mode may update
+    return size, target.dtype, str(target.device), torch.is_inference_mode_enabled()
 
 
-class TargetRegistry:
-    """Per-target state that outlives a call, keyed weakly by the model (dropping the model drops it)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def state(self, target) -> _TargetState:
-        with self._lock:
-            if target not in self._states:
-                self._states[target] = _TargetState()
-            return self._states[target]
-
-    @staticmethod
-    def _key(size: int, target) -> tuple:
-        # a cache first filled under inference mode holds inference tensors, which only inference mode may update
-        return size, target.dtype, str(target.device), torch.is_inference_mode_enabled()
-
-    def take_cache(self, target, tokens: int) -> StaticCache:
-        """A static cache of at least `tokens` positions, length reset; another call's cache is never shared."""
-        size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
-        key = self._key(size, target)
-        state = self.state(target)
-        with state.lock:
-            free = state.free_caches.setdefault(key, [])
-            cache = free.pop() if free else None
-        if cache is None:
-            return StaticCache(config=target.config, max_cache_len=size)
-        for layer in cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.zero_()
-        return cache
-
-    def give_back(self, target, cache: StaticCache) -> None:
-        key = self._key(cache.layers[0].max_cache_len, target)
-        state = self.state(target)
-        with state.lock:
-            state.free_caches.setdefault(key, []).append(cache)
-
-    def compiled_call(self, target, config: CompileConfig):
-        """`torch.compile(target.__call__)` with `config`, built once per target and config."""
-        state = self.state(target)
-        key = _config_key(config)
-        with state.lock:
-            if key not in state.compiled:
-                state.compiled[key] = torch.compile(target.__call__, **config.to_dict())
-                state.shapes[key] = set()
-            return state.compiled[key], state.shapes[key]
+def take_cache(target, tokens: int) -> StaticCache:
+    """A static cache of at least `tokens` positions from `target`'s free ones (length reset), or a new one; a cache
+    is never shared by two calls at once."""
+    size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
+    state = model_state(target)
+    with state.lock:
+        free = state.free_caches.setdefault(_cache_key(size, target), [])
+        cache = free.pop() if free else None
+    if cache is None:
+        return StaticCache(config=target.config, max_cache_len=size)
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.cumulative_length.zero_()
+    return cache
 
 
-REGISTRY = TargetRegistry()
+def give_back(target, cache: StaticCache) -> None:
+    """Return a call's cache to `target`'s free ones, for the next call of its size."""
+    state = model_state(target)
+    with state.lock:
+        state.free_caches.setdefault(_cache_key(cache.layers[0].max_cache_len, target), []).append(cache)
+
+
+def _call(model, **kwargs):
+    """`model(**kwargs)`: what the verification compiles (the model an argument, so the compiled function, kept in
+    the model's weakly keyed state, holds no reference to it)."""
+    return model(**kwargs)
+
+
+def compiled_call(target, config: CompileConfig):
+    """`(torch.compile(_call) with config, the shapes it has compiled)`, built once per target and config; call it
+    as `compiled(target, **kwargs)`."""
+    state = model_state(target)
+    key = _config_key(config)
+    with state.lock:
+        if key not in state.compiled:
+            state.compiled[key] = torch.compile(_call, **config.to_dict())
+            state.shapes[key] = set()
+        return state.compiled[key], state.shapes[key]
+
+
 _first_call_of_shape = threading.Lock()
 
 
@@ -169,18 +154,21 @@ class StaticVerify:
         self.record = VerifyRecord(compiled=compile_config is not None)
         self.compiled_fn, self.shapes, self.padded_to = None, None, 0
         if compile_config is not None:
-            self.compiled_fn, self.shapes = REGISTRY.compiled_call(target, compile_config)
+            self.compiled_fn, self.shapes = compiled_call(target, compile_config)
 
     def _forward(self, fn, ids: torch.Tensor, start: int):
+        """`fn(target, ...)` (`_call` or its compiled form) on `ids (1, n)` at positions `start ...`."""
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-        return fn(input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True).logits
+        return fn(
+            self.target, input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True
+        ).logits
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Feed the prompt `ids (1, P)` eagerly in chunks; the last position's logits `(1, V)` float32."""
         logits = None
         for start in range(0, ids.shape[1], PREFILL_CHUNK):
             chunk = ids[:, start : start + PREFILL_CHUNK]
-            logits = self._forward(self.target, chunk, start)[:, -1]
+            logits = self._forward(_call, chunk, start)[:, -1]
         return logits.float()
 
     def capture(self, start: int) -> None:
@@ -205,7 +193,7 @@ class StaticVerify:
         padded = torch.nn.functional.pad(tokens, (0, size - n)) if size > n else tokens
         if self.compiled_fn is None or self.record.failure is not None:
             self.record.eager_calls += 1
-            return self._forward(self.target, padded, start)[:, :n].float()
+            return self._forward(_call, padded, start)[:, :n].float()
         return self._compiled(padded, start, size)[:, :n].float().clone()
 
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
@@ -251,4 +239,4 @@ class StaticVerify:
         )
         logger.debug("the verification's compilation failed", exc_info=True)
         self.record.eager_calls += counted
-        return self._forward(self.target, padded, start)
+        return self._forward(_call, padded, start)
