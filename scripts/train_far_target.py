@@ -13,9 +13,10 @@ they were seen (scored on the reappearance), and facts in invented wordings reca
 the answer); a curriculum of row lengths over the time budget (`--lengths`), short rows first, where copying forms
 cheaply, then long ones, where it must reach far.
 
-Model: the bundled target's family (GLM-4 dense layers, partial RoPE with base 1e4 on half of each head, one MTP
-layer slot), wider and deeper (`--hidden`, `--layers`; ~15M parameters by default). AdamW, warm-up then cosine over
-the time budget (not a step count), bf16 autocast, every row weighing the same in the loss, seeded. Writes
+Model: the bundled target's family (`train_target.target_config`: GLM-4 dense layers, partial RoPE with base 1e4
+on half of each head, one MTP layer slot), wider and deeper (`--hidden`, `--layers`; ~17M parameters by default).
+AdamW, warm-up then cosine over the time budget (not a step count), bf16 autocast, every row weighing the same in
+the loss, seeded. Writes
 `<out>/model` (`save_pretrained`, safetensors shards of at most 15 MB: what the device tool brings back) every
 `--save-minutes` and at the end, and `<out>/log.jsonl`; `--init` continues from weights alone (an optimizer's
 state does not travel back). The held-out measurements (copy by distance, retrieval in untrained formats,
@@ -33,36 +34,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import far_target_data as data  # noqa: E402
-from train_target import MTP_MOE  # noqa: E402
+from train_target import target_config  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "hf_budgetdraft" / "demo" / "tokenizer"
-SMOKE = dict(hidden=64, layers=2, heads=4, step_tokens=1024, lengths="0:64,0.5:128", seconds=8.0)
-
-
-def far_config(tokenizer, hidden: int, layers: int, heads: int, max_position: int) -> Glm4MoeConfig:
-    return Glm4MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        first_k_dense_replace=layers,  # every main layer dense; the MTP slot is GLM-4's small MoE
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=hidden // heads,
-        partial_rotary_factor=0.5,  # content matching on the unrotated half does not depend on distance
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-        max_position_embeddings=max_position,
-        num_mtp_layers=1,
-        **MTP_MOE,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+SMOKE = dict(hidden=64, layers=2, heads=2, step_tokens=1024, lengths="0:64,0.5:128", seconds=8.0)
 
 
 def length_at(fraction: float, schedule: str) -> int:
@@ -108,7 +87,10 @@ def train(args) -> dict:
     if args.init:
         model = Glm4MoeForCausalLM.from_pretrained(args.init, use_safetensors=True)
     else:
-        model = Glm4MoeForCausalLM(far_config(tokenizer, args.hidden, args.layers, args.heads, 2 * longest))
+        config = target_config(
+            tokenizer, 2 * longest, hidden=args.hidden, layers=args.layers, heads=args.heads
+        )
+        model = Glm4MoeForCausalLM(config)
     model.to(device).train()
     parameters = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -174,9 +156,9 @@ def parse(argv=None):
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--init", type=Path, help="continue from these weights (a saved <out>/model)")
     run.add_argument("--minutes", type=float, default=6.0, help="the time budget of the training loop")
-    run.add_argument("--hidden", type=int, default=384)
+    run.add_argument("--hidden", type=int, default=400)
     run.add_argument("--layers", type=int, default=8)
-    run.add_argument("--heads", type=int, default=12)
+    run.add_argument("--heads", type=int, default=10)
     run.add_argument(
         "--step-tokens", type=int, default=65536, help="tokens a step (rows = this / row length)"
     )

@@ -45,17 +45,25 @@ MTP_MOE = {
 }
 
 
-def target_config(tokenizer, max_position: int, qk_norm: bool = False) -> Glm4MoeConfig:
-    layers = 7  # 9.9M parameters: target + MTP layer + drafters fit the 25 MB bundle in bf16
+def target_config(
+    tokenizer,
+    max_position: int,
+    qk_norm: bool = False,
+    hidden: int = 320,
+    layers: int = 7,  # 9.9M parameters: target + MTP layer + drafters fit the 25 MB bundle in bf16
+    heads: int = 10,
+) -> Glm4MoeConfig:
+    """The bundled target's family: GLM-4 dense layers (head dim 32, a KV head per 4-5 query heads, MLP 3.2x),
+    partial RoPE, one MTP layer slot; the defaults are the bundled target's sizes."""
     return Glm4MoeConfig(
         vocab_size=len(tokenizer),
-        hidden_size=320,
-        intermediate_size=1024,
+        hidden_size=hidden,
+        intermediate_size=hidden * 16 // 5,
         num_hidden_layers=layers,
         first_k_dense_replace=layers,  # every layer dense: no MoE
-        num_attention_heads=10,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 5),
+        head_dim=hidden // heads,
         partial_rotary_factor=0.5,
         # RoPE base 1e4 on half of each head's dims: with a 1e6 base only 2 of the 8 rotary frequencies resolve
         # neighbouring tokens and no previous-token head formed (the model card's attempt s2 v4), so copy heads

@@ -304,11 +304,6 @@ class DraftSpec:
         batched loop builds)."""
         return rows > 1 or self.full_draft_cache
 
-    @property
-    def draft_tokens(self) -> int:
-        """Prefix tokens the draft reads besides its window: the budget, or the sink."""
-        return self.budget if self.cache == "budgeted" else self.num_sink_tokens
-
 
 SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
 

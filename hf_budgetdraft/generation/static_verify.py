@@ -20,6 +20,7 @@ from transformers import CompileConfig, StaticCache
 from transformers.utils import logging
 
 from ..compat import cache_kwargs
+from .compiled_step import draft_step_compile_config
 from .model_state import model_state
 
 logger = logging.get_logger(__name__)
@@ -28,15 +29,10 @@ PREFILL_CHUNK = 2048  # prompt tokens per eager prefill forward (bounds the (chu
 
 
 def verify_compile_config(device: torch.device | str) -> CompileConfig:
-    """How the verification forward compiles: fixed shapes, one whole graph; on CUDA replayed as a CUDA graph
-    without inductor's graph partitions (the draft step's setting, `compiled_step.draft_step_compile_config`)."""
+    """How the verification forward compiles: fixed shapes, one whole graph; on CUDA the draft step's setting
+    (`compiled_step.draft_step_compile_config`: replayed as a CUDA graph, without inductor's graph partitions)."""
     if torch.device(device).type == "cuda":
-        return CompileConfig(
-            fullgraph=True,
-            dynamic=False,
-            mode=None,
-            options={"triton.cudagraphs": True, "graph_partition": False},
-        )
+        return draft_step_compile_config(device)
     return CompileConfig(fullgraph=True, dynamic=False, mode=None)
 
 
