@@ -60,6 +60,21 @@ def speculate(target, drafter, ids, cache="budgeted", cache_config=None, **kwarg
     return out, stats
 
 
+def speculate_compiled(target, drafter, ids, backend, new_tokens: int = 30, **kwargs):
+    """`speculate` with the verification compiled by `backend`, draft length 3 unless `cache_config` says."""
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    cache_config = {"draft_length": 3, "compile_verify": True, **kwargs.pop("cache_config", {})}
+    return speculate(
+        target,
+        drafter,
+        ids,
+        cache_config=cache_config,
+        compile_config=config,
+        max_new_tokens=new_tokens,
+        **kwargs,
+    )
+
+
 def test_buckets_cover_every_length_with_few_shapes():
     assert buckets(17) == (1, 2, 4, 8, 16, 17) and buckets(1) == (1,) and buckets(8) == (1, 2, 4, 8)
     assert buckets(17, coarse=True) == (1, 17) and buckets(1, coarse=True) == (1,)
@@ -113,17 +128,9 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
     skip_unless_known(family)
     target, drafter = model_pair(family, "sdpa", num_assistant_tokens=None)
     backend, graphs = counting_backend()
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     ids = random_prompt(120, seed=3)
     expected = target.generate(ids, do_sample=False, max_new_tokens=30)
-    out, stats = speculate(
-        target,
-        drafter,
-        ids,
-        cache_config={"draft_length": 3, "compile_verify": True},
-        compile_config=config,
-        max_new_tokens=30,
-    )
+    out, stats = speculate_compiled(target, drafter, ids, backend)
     verify = stats.runtime["verify"]
     assert torch.equal(out, expected)
     assert (
@@ -144,18 +151,12 @@ def test_compiled_verification_captures_each_bucket_once_per_process(fresh_dynam
     nothing and reuses the static cache of the first."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
     backend, graphs = counting_backend()
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     ids = random_prompt(150, seed=4)
     expected = target.generate(ids, do_sample=False, max_new_tokens=40)
     records = []
     for draft_length in (3, 3, 1):
-        out, stats = speculate(
-            target,
-            drafter,
-            ids,
-            cache_config={"draft_length": draft_length, "compile_verify": True},
-            compile_config=config,
-        )
+        cache_config = {"draft_length": draft_length}
+        out, stats = speculate_compiled(target, drafter, ids, backend, 40, cache_config=cache_config)
         assert torch.equal(out, expected)
         records.append(stats.runtime["verify"])
     first, second, third = records
@@ -174,30 +175,14 @@ def test_a_failed_compilation_falls_back_once_and_does_not_poison_later_ones(fre
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
     ids = random_prompt(150, seed=5)
     expected = target.generate(ids, do_sample=False, max_new_tokens=30)
-    failing = CompileConfig(fullgraph=True, dynamic=False, backend=failing_backend, mode=None)
-    out, stats = speculate(
-        target,
-        drafter,
-        ids,
-        cache_config={"draft_length": 3, "compile_verify": True},
-        compile_config=failing,
-        max_new_tokens=30,
-    )
+    out, stats = speculate_compiled(target, drafter, ids, failing_backend)
     record = stats.runtime["verify"]
     assert torch.equal(out, expected)
     assert "forced compile failure" in record["failure"] and record["compiled_calls"] == 0
     assert record["eager_calls"] == stats.rounds
     # a later compilation in the same process, nothing reset in between, compiles and runs
     backend, graphs = counting_backend()
-    working = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    out, stats = speculate(
-        target,
-        drafter,
-        ids,
-        cache_config={"draft_length": 3, "compile_verify": True},
-        compile_config=working,
-        max_new_tokens=30,
-    )
+    out, stats = speculate_compiled(target, drafter, ids, backend)
     record = stats.runtime["verify"]
     assert torch.equal(out, expected) and record["failure"] is None
     assert record["compiled_calls"] == stats.rounds and graphs
@@ -209,23 +194,14 @@ def test_one_host_read_a_round(fresh_dynamo):
     and the EOS position, together)."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
     backend, _ = counting_backend()
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     ids = random_prompt(150, seed=6)
-    cache_config = {"draft_length": 3, "compile_verify": True, "static": True, "lean_step": False}
-    speculate(
-        target, drafter, ids, cache_config=cache_config, compile_config=config, eos_token_id=5
-    )  # compiles
+    cuda_like = {"static": True, "lean_step": False}
+    speculate_compiled(target, drafter, ids, backend, cache_config=cuda_like, eos_token_id=5)  # compiles
     per_call = []
     for new_tokens in (30, 60):
         with HostReads(package_only=False) as reads:
-            out, stats = speculate(
-                target,
-                drafter,
-                ids,
-                cache_config=cache_config,
-                compile_config=config,
-                eos_token_id=5,
-                max_new_tokens=new_tokens,
+            out, stats = speculate_compiled(
+                target, drafter, ids, backend, new_tokens, cache_config=cuda_like, eos_token_id=5
             )
         assert stats.runtime["verify"]["compiled_calls"] == stats.rounds > 5
         assert reads.sites.pop("device_loop.py:_round") == stats.rounds
@@ -241,26 +217,10 @@ def test_sampling_runs_on_the_device_and_top_k_1_is_greedy():
         target, drafter, ids, cache_config={"draft_length": 3}, do_sample=True, top_k=1, max_new_tokens=30
     )
     assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
-    torch.manual_seed(0)
-    first, _ = speculate(
-        target,
-        drafter,
-        ids,
-        cache_config={"draft_length": 3},
-        do_sample=True,
-        temperature=1.5,
-        max_new_tokens=30,
-    )
-    torch.manual_seed(0)
-    again, _ = speculate(
-        target,
-        drafter,
-        ids,
-        cache_config={"draft_length": 3},
-        do_sample=True,
-        temperature=1.5,
-        max_new_tokens=30,
-    )
+    sampled = dict(cache_config={"draft_length": 3}, do_sample=True, temperature=1.5, max_new_tokens=30)
+    first, again = [
+        (torch.manual_seed(0), speculate(target, drafter, ids, **sampled))[1][0] for _ in range(2)
+    ]
     assert torch.equal(first, again) and first.shape == (1, 150) and not torch.equal(first, expected)
 
 
@@ -327,11 +287,7 @@ def test_a_dropped_model_takes_its_state_along(fresh_dynamo):
     from hf_budgetdraft.generation.compiled_step import record_eager_steps
 
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
-    backend, _ = counting_backend()
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    speculate(
-        target, drafter, random_prompt(80), cache_config={"compile_verify": True}, compile_config=config
-    )
+    speculate_compiled(target, drafter, random_prompt(80), counting_backend()[0])
     record_eager_steps(drafter, 1.0)
     assert (
         model_state(target).compiled and model_state(target).free_caches and model_state(drafter).rent == 1.0
