@@ -2,6 +2,8 @@
 
     python benchmarks/budget_evidence.py --threads 2 --drafter lambda0=runs/budgetdraft_v20_lambda0/lora_adapter \
         --out benchmarks/results/budget_evidence
+    python benchmarks/budget_evidence.py --target runs/far/model --drafter base=D1 --drafter budgetdraft=D2 \
+        --only base budgetdraft --tasks copy retrieval prose --contexts 4096 8192 16384 --budgets 256 512 1024
 
 On plain text the bundled drafters accept as much on a sparse cache as on a full one: the text they draft needs
 only local context. Here every scored token needs a far one. Two tasks, prompts of `--contexts` tokens:
@@ -9,7 +11,11 @@ only local context. Here every scored token needs a far one. Two tasks, prompts 
 - `passkey`: a 5-digit pass key hidden at a random depth of the classic filler (the task the target was taught;
   it answers it at 1K-4K), asked for at the end; the scored tokens are the target's own greedy answer;
 - `needle`: the same needle and question in held-out prose (the bundled King John, which no bundled model saw) as
-  the haystack.
+  the haystack;
+- `copy` / `retrieval` (`hf_budgetdraft.eval.far_context`): a passage of the held-out licence texts seen once and
+  begun again a context later (scored: the target's continuation of it), and a fact in a format no bundled model
+  trained on (a code worded otherwise, a name, a number inside prose) asked for a context later (scored: the
+  target's answer); for a target that reads far context (`--target`, `scripts/train_far_target.py`).
 
 For each prompt the target answers greedily once (its full cache); each drafter then prefills the prompt into the
 draft cache a `generate()` call would build — a `DynamicCache` (full) or a `BudgetedCache(budget=B,
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -41,7 +48,8 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft import BudgetedCache
 from hf_budgetdraft.demo import load_demo_models
-from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
+from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, retrieval_probe
 from hf_budgetdraft.eval.metrics import bootstrap_ci, wilson_interval
 from hf_budgetdraft.eval.tasks import NEEDLE, passkey_sample
 
@@ -103,12 +111,42 @@ class Probe:
     needle: range | None = None
 
 
+def _held_out_tokens(tokenizer) -> torch.Tensor:
+    return tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+
+
+def far_probes(tokenizer, task: str, context: int, count: int, rng: random.Random):
+    """`copy` / `retrieval` probes of about `context` tokens: the prompt ends where the scored tokens begin."""
+    filler = _held_out_tokens(tokenizer)
+    passages = tokenizer(
+        licence_text() or DEMO_TEXT.read_text(encoding="utf-8")[-20000:], return_tensors="pt"
+    )
+    passages = passages.input_ids[0]
+    formats = sorted(RETRIEVAL_FORMATS)
+    for index in range(count):
+        offset = rng.randrange(filler.numel() - context)
+        if task == "copy":
+            start = rng.randrange(passages.numel() - 128)
+            probe = copy_probe(filler[offset:], passages[start : start + 128], max(0, context - 64 - 2 * 128))
+        else:
+            name = formats[index % len(formats)]
+            probe = retrieval_probe(
+                tokenizer, filler[offset:], name, max(0, context - 96), rng.randrange(1 << 30)
+            )
+        first = int(probe.scored[0])
+        key = None if task == "copy" else probe.input_ids[0, first:]
+        yield Probe(probe.input_ids[:, :first], probe.input_ids.shape[1] - first, key)
+
+
 def probes(demo, task: str, context: int, count: int, seed: int, prose_tokens: int):
-    """`count` seeded probes of `context` tokens for `task` (passkey, needle or prose)."""
+    """`count` seeded probes of `context` tokens for `task` (passkey, needle, prose, copy or retrieval)."""
     rng = random.Random(f"{task}-{context}-{seed}")
+    if task in ("copy", "retrieval"):
+        yield from far_probes(demo.tokenizer, task, context, count, rng)
+        return
     haystack = None
     if task in ("needle", "prose"):
-        haystack = demo.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+        haystack = _held_out_tokens(demo.tokenizer)
     for _ in range(count):
         if task == "prose":
             start = rng.randrange(haystack.numel() - context + 1)
@@ -186,14 +224,22 @@ def load_drafters(demo, extra: list[str]) -> dict:
     return drafters
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128, 256, 512])
     parser.add_argument(
-        "--tasks", nargs="+", default=["passkey", "needle"], choices=["passkey", "needle", "prose"]
+        "--tasks",
+        nargs="+",
+        default=["passkey", "needle"],
+        choices=["passkey", "needle", "prose", "copy", "retrieval"],
+    )
+    parser.add_argument(
+        "--target",
+        type=Path,
+        help="a target folder instead of the bundled one (same tokenizer), e.g. a far target",
     )
     parser.add_argument(
         "--prose-tokens", type=int, default=64, help="target tokens scored after a prose prompt"
@@ -213,10 +259,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bootstrap-draws", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=RESULTS / "budget_evidence")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.time()
     demo = load_demo_models()
+    if args.target is not None:
+        target = AutoModelForCausalLM.from_pretrained(args.target, use_safetensors=True).eval()
+        demo = dataclasses.replace(demo, target=target)
     drafters = load_drafters(demo, args.drafter)
     wanted = args.only or [name for name in drafters if name != "target"]
     unknown = sorted(set(wanted) - set(drafters))
@@ -255,16 +308,17 @@ def main() -> None:
         }
         for (t, c, d, b), r in rows.items()
     ]
+    command = "python benchmarks/budget_evidence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {
-        "command": "python benchmarks/budget_evidence.py " + " ".join(sys.argv[1:]),
+        "command": command,
         "torch": torch.__version__,
         "threads": args.threads,
         "seconds": round(time.time() - started),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(results, args))
-    print(markdown(results, args))
+    args.out.with_suffix(".md").write_text(markdown(results, args, command))
+    print(markdown(results, args, command))
 
 
 def _interval(low_high) -> str:
@@ -275,10 +329,10 @@ def _number(value, digits: int = 2) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def markdown(results: list[dict], args) -> str:
+def markdown(results: list[dict], args, command: str) -> str:
     head = (
         "# Draft acceptance on tokens that need long context, per KV budget\n\n"
-        f"`python benchmarks/budget_evidence.py {' '.join(sys.argv[1:])}` — {args.prompts} prompts per task and "
+        f"`{command}` — {args.prompts} prompts per task and "
         f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}. "
         "`accepted` = answer tokens a round drafting the whole answer keeps, 95% bootstrap interval; `agreement` = "
         f"per answer token (Wilson 95%); `a round (γ={args.gamma})` = tokens a greedy round drafting {args.gamma} "
