@@ -26,8 +26,15 @@ def test_cpu_keeps_its_speedups_and_rents_the_compilation(dtype):
     assert rules.lean_step and rules.prefill_window and not rules.compile_from_first_call
     assert rules.few_row_linear == (dtype == torch.float32)  # the few-row GEMMs are float32 kernels
     assert rules.round_clock == "host"
-    assert set(rules.reasons) == {*CPU_SPEEDUPS, "compile_from_first_call", "device_round", "round_clock"}
+    assert set(rules.reasons) == {
+        *CPU_SPEEDUPS,
+        "compile_from_first_call",
+        "device_round",
+        "compiled_catch_up",
+        "round_clock",
+    }
     assert not rules.device_round and rules.reasons["device_round"].startswith("estimate")
+    assert rules.compiled_catch_up == 0
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])

@@ -74,3 +74,32 @@ def test_a_plan_picks_its_steps_once():
     steps = DraftSteps.for_plan(plain, drafter, cache, capture_queries=False)
     assert steps.token is steps.block is steps.eager and not steps.compiled
     assert steps.prefill.window == plain.spec.prefill_window
+
+
+@torch.no_grad()
+def test_a_short_block_goes_through_the_compiled_step_one_token_at_a_time(fresh_dynamo):
+    """With `tokens_one_by_one` (CUDA's device rule), a catch-up block of a few tokens runs the compiled one-token
+    step per token: the same cache writes and last logits as the block forward, no eager block."""
+    drafter, (reference_cache, cache) = static_drafter_and_caches(2)
+    prompt = random_prompt(90, seed=5)
+    reference = ForwardStep(drafter, reference_cache)
+    eager = ForwardStep(drafter, cache)
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    steps = DraftSteps(
+        prefill=Prefill(eager, None, 4, False),
+        block=eager,
+        token=CompiledStep(drafter, cache, config, eager),
+        eager=eager,
+        tokens_one_by_one=3,
+    )
+    Prefill(reference, None, 4, False)(prompt, torch.arange(90)[None])
+    steps(prompt, 0, None)
+    blocks = []
+    original = eager.__call__
+    steps.block = lambda feed, positions: blocks.append(feed.shape[1]) or original(feed, positions)
+    feed = torch.tensor([[5, 6, 7]])
+    logits = steps(feed, 90, None)
+    torch.testing.assert_close(logits, reference(feed, torch.arange(90, 93)[None]), rtol=1e-4, atol=1e-4)
+    assert steps.token.compiled_calls == 3 and blocks == []
+    steps(torch.tensor([[1, 2, 3, 4]]), 93, None)  # longer than tokens_one_by_one: one block forward
+    assert blocks == [4] and steps.token.compiled_calls == 3

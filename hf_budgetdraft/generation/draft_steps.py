@@ -25,6 +25,7 @@ from ..attention.query_capture import query_capture
 from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
+from .device_rules import device_rules
 from .draft_length.clock import synchronize
 
 logger = logging.get_logger(__name__)
@@ -155,12 +156,15 @@ class Prefill:
 
 @dataclass
 class DraftSteps:
-    """The steps of one call: `prefill`, `block` (several tokens), `token` (one), `eager` (a padded row)."""
+    """The steps of one call: `prefill`, `block` (several tokens), `token` (one), `eager` (a padded row); a block of
+    up to `tokens_one_by_one` tokens goes through a compiled `token` step one token at a time instead (the device
+    rules' `compiled_catch_up`)."""
 
     prefill: Prefill
     block: ForwardStep | CheckedLeanStep
     token: ForwardStep | CheckedLeanStep | CompiledStep
     eager: ForwardStep
+    tokens_one_by_one: int = 0
 
     @classmethod
     def for_plan(cls, plan, model, cache, capture_queries: bool) -> DraftSteps:
@@ -169,7 +173,8 @@ class DraftSteps:
         block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
         token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block
         prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries)
-        return cls(prefill=prefill, block=block, token=token, eager=eager)
+        one_by_one = device_rules(model.device, model.dtype).compiled_catch_up
+        return cls(prefill=prefill, block=block, token=token, eager=eager, tokens_one_by_one=one_by_one)
 
     @property
     def compiled(self) -> bool:
@@ -197,4 +202,10 @@ class DraftSteps:
             return self.prefill(feed, positions, mask)
         if mask is not None:
             return self.eager(feed, positions, mask)
-        return (self.token if feed.shape[1] == 1 else self.block)(feed, positions)
+        if feed.shape[1] == 1:
+            return self.token(feed, positions)
+        if self.compiled and feed.shape[1] <= self.tokens_one_by_one:
+            for k in range(feed.shape[1]):
+                logits = self.token(feed[:, k : k + 1], positions[:, k : k + 1])
+            return logits
+        return self.block(feed, positions)
