@@ -51,6 +51,7 @@ from .cache.base import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .cpu import few_row_linears
 from .generation.batched_loop import run_batched, run_sparse_batch
+from .generation.cache_config import WindowedSpec
 from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.device_loop import run_device_round
 from .generation.device_loop import unsupported as unsupported_by_device_round
@@ -59,7 +60,7 @@ from .generation.draft_length import for_mtp
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import CACHE_CLASSES, DraftPlan, DraftSpec, resolve_plan, verify_attention
 from .generation.stats import active_recorder, instrument
-from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, mtp_fast_verify, windowed_mtp_cache
+from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp_cache
 
 logger = logging.get_logger(__name__)
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES
@@ -152,15 +153,17 @@ def _windowed_builtin_generator(self, name, generation_config, assistant_model, 
                 f"use_mtp=True needs a model with MTP layers (config.num_mtp_layers), but {type(self).__name__} has "
                 "none"
             )
+        spec = WindowedSpec.from_cache_config("mtp", generation_config.cache_config)
         expose_mtp_layers(self)
         generator = stock_generator()
-        generator.mtp_cache = windowed_mtp_cache(self, generation_config.cache_config)
-        policy = for_mtp(generation_config.cache_config, generator.num_mtp_layers)
+        generator.mtp_cache = windowed_mtp_cache(self, spec)
+        policy = for_mtp(spec.draft_length, generator.num_mtp_layers)
         return generator if policy is None else AdaptiveMtpCandidateGenerator(generator, policy)
     if assistant_model is None:
         raise ValueError("speculation_type='dflash' needs assistant_model=<a DFlash drafter>")
+    spec = WindowedSpec.from_cache_config("dflash", generation_config.cache_config)
     generator = stock_generator(assistant_model=assistant_model)
-    generator.cache = windowed_dflash_cache(assistant_model, generation_config.cache_config)
+    generator.cache = windowed_dflash_cache(assistant_model, spec)
     return generator
 
 
@@ -262,7 +265,7 @@ def _assisted_decoding(self, *args, **kwargs):
             "with assistant_model= (batched)"
         )
     if sparse and generation_config.use_mtp:  # windowed MTP: the target verifies as with assistant_model=
-        fast_verify = mtp_fast_verify(generation_config.cache_config)
+        fast_verify = WindowedSpec.from_cache_config("mtp", generation_config.cache_config).fast_verify
         with using_attention(self, verify_attention(self, fast_verify)), few_row_linears(self, fast_verify):
             return _originals["_assisted_decoding"](self, *args, **kwargs)
     if not sparse or builtin_draft:
@@ -341,7 +344,10 @@ def _sample(self, *args, **kwargs):
 
 def _can_use_growable(model, generation_config, model_kwargs) -> bool:
     """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise."""
-    windowed_mtp_fast = generation_config.use_mtp and mtp_fast_verify(generation_config.cache_config)
+    windowed_mtp_fast = (
+        generation_config.use_mtp
+        and WindowedSpec.from_cache_config("mtp", generation_config.cache_config).fast_verify
+    )
     return (
         model_kwargs.get(CACHE_KWARG) is None
         # windowed DFlash keeps the target cache native DFlash uses; windowed MTP too with fast_verify=False

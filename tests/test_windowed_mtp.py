@@ -361,7 +361,10 @@ def test_bad_mtp_input(tmp_root):
         )
     with pytest.raises(ValueError, match="a budgeted MTP cache is not implemented"):
         model.generate(ids, max_new_tokens=4, use_mtp=True, cache_implementation="budgeted")
-    with pytest.raises(ValueError, match=r"cache_config keys \['budget'\] .* static"):
+    with pytest.raises(
+        ValueError,
+        match=r"cache_config keys \['budget'\] are not options of windowed MTP; accepted: .*'static'",
+    ):
         model.generate(
             ids,
             max_new_tokens=4,

@@ -14,19 +14,15 @@ from transformers import PreTrainedModel
 
 from ..cache.windowed import WindowedDFlashCache
 from ..compat import activate_past_recording
+from .cache_config import WindowedSpec
 
-OPTIONS = ("num_sink_tokens", "window_length", "slack")
 
-
-def windowed_dflash_cache(drafter: PreTrainedModel, cache_config: dict | None) -> WindowedDFlashCache:
-    """The windowed cache for a DFlash `drafter`, from `generate()`'s `cache_config` (past recording on, as the
-    stock generator does for its sliding layers)."""
-    options = dict(cache_config or {})
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(
-            f"cache_config keys {unknown} are not options of windowed DFlash; accepted: {', '.join(OPTIONS)}"
-        )
+def windowed_dflash_cache(drafter: PreTrainedModel, spec: WindowedSpec | dict | None) -> WindowedDFlashCache:
+    """The windowed cache for a DFlash `drafter`, from a call's `cache_config` (parsed, or a dict parsed here; past
+    recording on, as the stock generator does for its sliding layers)."""
+    if not isinstance(spec, WindowedSpec):
+        spec = WindowedSpec.from_cache_config("dflash", spec)
+    options = dict(spec.cache_options)
     block_size = drafter.config.block_size
     # every round crops the previous noise block away: the ring must roll back `block_size` tokens exactly
     options.setdefault("slack", max(32, block_size))

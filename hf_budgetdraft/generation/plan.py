@@ -60,6 +60,7 @@ from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
 from ..cache.windowed_prefill import layers_besides_full_attention
 from ..cpu import few_row_linear_applies, few_row_linears
+from .cache_config import check_bool, check_keys
 from .device_rules import device_rules
 from .plan_choices import (
     AUTO,
@@ -187,8 +188,7 @@ class DraftSpec:
         _check_switch("device_round", self.device_round)
         _check_switch("compile_verify", self.compile_verify)
         for name in ("fast_verify", "full_draft_cache"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         length = self.draft_length
         if isinstance(length, bool) or not (
             length in DRAFT_LENGTH_POLICIES or (isinstance(length, int) and 0 <= length <= MAX_DRAFT_LENGTH)
@@ -231,14 +231,8 @@ class DraftSpec:
             raise ValueError(
                 f"cache_implementation must be one of {DRAFT_CACHES}, got {cache_implementation!r}"
             )
-        options = dict(cache_config or {})
         accepted = _CACHE_OPTIONS[cache_implementation] + _RUN_OPTIONS
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise ValueError(
-                f"cache_config keys {unknown} are not options of cache_implementation={cache_implementation!r}; "
-                f"accepted: {list(accepted)}"
-            )
+        options = check_keys(cache_config, accepted, f"cache_implementation={cache_implementation!r}")
         return cls(cache=cache_implementation, **options)
 
     def cache_kwargs(self, static: bool) -> dict:

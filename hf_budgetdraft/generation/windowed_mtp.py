@@ -26,23 +26,18 @@ from transformers.utils import logging
 from ..cache.sink_window import SinkWindowCache
 from ..cache.windowed import WindowedMtpCache
 from ..compat import activate_past_recording
+from .cache_config import WindowedSpec
 from .draft_length import DraftLength, RoundClock
 
 logger = logging.get_logger(__name__)
-MTP_CACHE_OPTIONS = ("num_sink_tokens", "window_length", "slack", "static")
-MTP_RUN_OPTIONS = ("draft_length", "fast_verify")
 
 
-def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -> WindowedMtpCache:
-    """The windowed cache for `main_model`'s MTP layers, from `generate()`'s `cache_config` (its run options,
-    `draft_length` and `fast_verify`, are read by the caller)."""
-    options = {k: v for k, v in (cache_config or {}).items() if k not in MTP_RUN_OPTIONS}
-    unknown = sorted(set(options) - set(MTP_CACHE_OPTIONS))
-    if unknown:
-        raise ValueError(
-            f"cache_config keys {unknown} are not options of windowed MTP; accepted: "
-            f"{', '.join(MTP_CACHE_OPTIONS + MTP_RUN_OPTIONS)}"
-        )
+def windowed_mtp_cache(main_model: PreTrainedModel, spec: WindowedSpec | dict | None) -> WindowedMtpCache:
+    """The windowed cache for `main_model`'s MTP layers, from a call's `cache_config` (parsed, or a dict parsed
+    here)."""
+    if not isinstance(spec, WindowedSpec):
+        spec = WindowedSpec.from_cache_config("mtp", spec)
+    options = dict(spec.cache_options)
     num_mtp_layers = main_model.config.get_text_config().num_mtp_layers
     # multi-depth MTP rolls its cache back by `num_mtp_layers` tokens when a chain is rejected
     options.setdefault("slack", max(32, num_mtp_layers + 1))
@@ -51,15 +46,6 @@ def windowed_mtp_cache(main_model: PreTrainedModel, cache_config: dict | None) -
     if num_mtp_layers > 1:
         activate_past_recording(cache)
     return cache
-
-
-def mtp_fast_verify(cache_config: dict | None) -> bool:
-    """`cache_config["fast_verify"]` (default True): the target of a windowed-MTP call verifies on
-    `budgetdraft_sdpa` with a `GrowableCache` and few-row linear layers, as with `assistant_model=`."""
-    fast_verify = (cache_config or {}).get("fast_verify", True)
-    if not isinstance(fast_verify, bool):
-        raise TypeError(f"fast_verify must be a bool, got {fast_verify!r}")
-    return fast_verify
 
 
 class AdaptiveMtpCandidateGenerator(MTPCandidateGenerator):

@@ -33,12 +33,11 @@ def for_rows(plan: DraftPlan, rows: int) -> RowDraftLength | SharedDraftLength:
     return SharedDraftLength(for_plan(plan))
 
 
-def for_mtp(cache_config: dict | None, num_mtp_layers: int) -> DraftLength | None:
-    """The draft-length policy of a windowed-MTP call, from `cache_config["draft_length"]`: `"adaptive"` (the
+def for_mtp(length: int | str, num_mtp_layers: int) -> DraftLength | None:
+    """The draft-length policy of a windowed-MTP call, from its `cache_config`'s `draft_length`: `"adaptive"` (the
     default) drafts each round only when the policy predicts it pays, for a one-layer head; a deeper head drafts its
     fixed chain (`None`: transformers' own loop), as does `draft_length=num_mtp_layers` (for one layer, through the
     same generator as the adaptive policy, so its catch-up is windowed too); `0` never drafts."""
-    length = (cache_config or {}).get("draft_length", "adaptive")
     if length == "adaptive":
         if num_mtp_layers == 1:
             return AdaptiveDraftLength(maximum=1)
