@@ -23,6 +23,10 @@ from .generation.plan import DraftPlan, DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
 
 integration.install()
+uninstall = (
+    integration.uninstall
+)  # undoes every patch install() made (import runs install(); call it to re-install)
+install = integration.install
 
 __version__ = "0.1.0"
 
@@ -39,6 +43,8 @@ __all__ = [
     "StreamingPolicy",
     "cache_nbytes",
     "draft_step_compile_config",
+    "install",
     "query_capture",
     "record_speculation",
+    "uninstall",
 ]

@@ -44,12 +44,14 @@ from .attention.fast_sdpa import register as register_fast_sdpa
 from .attention.query_capture import CAPTURE_PREFIX
 from .attention.query_capture import register as register_query_capture
 from .attention.scoped import install as install_scoped_attention
+from .attention.scoped import uninstall as uninstall_scoped_attention
 from .attention.scoped import using_attention
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
 from .cache.base import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .cpu import few_row_linears
+from .cpu.few_row_linear import uninstall as uninstall_few_row_linears
 from .generation.batched_loop import run_batched, run_sparse_batch
 from .generation.cache_config import WindowedSpec
 from .generation.candidate_generator import SparseDraftCandidateGenerator
@@ -65,7 +67,9 @@ from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp
 logger = logging.get_logger(__name__)
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES
 
+# what install() replaced (restored by uninstall()) and the cache names it added to transformers' list
 _originals: dict[str, object] = {}
+_added_cache_names: list[str] = []
 _current_plan: ContextVar[DraftPlan | None] = ContextVar("budgetdraft_draft_plan", default=None)
 
 
@@ -375,6 +379,24 @@ def _refusing_generate(message: str):
     return generate
 
 
+def uninstall() -> None:
+    """Undo `install()`: transformers' own `generate()` steps, its list of cache names, the config's attention
+    property and `nn.Linear.forward` as they were (the attention functions stay registered under their own names,
+    unused). `install()` can run again after it."""
+    if not _originals:
+        return
+    for name, original in _originals.items():
+        setattr(GenerationMixin, name, original)
+    _originals.clear()
+    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = type(names)(
+        n for n in names if n not in _added_cache_names
+    )
+    _added_cache_names.clear()
+    uninstall_scoped_attention()
+    uninstall_few_row_linears()
+
+
 def install() -> None:
     """Register the sparse cache implementations with transformers' `generate()` (idempotent). On a transformers
     that lacks a patch point (`compat.patch_point_problems()`), calls naming a sparse cache are refused instead."""
@@ -400,6 +422,7 @@ def install() -> None:
         n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     )
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS += missing
+    _added_cache_names.extend(missing)
     for method in (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding, _sample):
         _originals[method.__name__] = getattr(GenerationMixin, method.__name__)
         setattr(GenerationMixin, method.__name__, method)

@@ -57,6 +57,15 @@ def install() -> None:
         )
 
 
+def uninstall() -> None:
+    """Put transformers' own `PreTrainedConfig._attn_implementation` back (the next scope wraps it again)."""
+    global _loaded_property
+    with _install_lock:
+        if _loaded_property is not None:
+            PreTrainedConfig._attn_implementation = _loaded_property
+            _loaded_property = None
+
+
 def model_configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
     """`model`'s config, its sub-configs at any depth and its sub-modules' configs: what `set_attn_implementation`
     would change."""

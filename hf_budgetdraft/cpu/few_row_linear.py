@@ -78,6 +78,13 @@ def _install() -> None:
             nn.Linear.forward = _scoped_forward
 
 
+def uninstall() -> None:
+    """Put torch's own `nn.Linear.forward` back (the next `few_row_linears` block wraps it again)."""
+    with _install_lock:
+        if nn.Linear.forward is _scoped_forward:
+            nn.Linear.forward = _loaded_forward
+
+
 @contextlib.contextmanager
 def few_row_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Run `model`'s plain float32 CPU `nn.Linear` layers through `few_row_linear` inside the block, in this thread /
