@@ -19,7 +19,8 @@ from .cache import (
     cache_nbytes,
 )
 from .generation.compiled_step import draft_step_compile_config
-from .generation.plan import DraftPlan, DraftSpec
+from .generation.plan import DraftPlan
+from .generation.spec import DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
 
 integration.install()

@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from .cache.base import check_size
-from .generation.plan import MAX_DRAFT_LENGTH, DraftSpec
+from .generation.spec import MAX_DRAFT_LENGTH, DraftSpec
 from .loading import DTYPES
 
 ENGINES = ("vllm", "sglang")

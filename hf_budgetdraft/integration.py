@@ -60,7 +60,8 @@ from .generation.device_loop import unsupported as unsupported_by_device_round
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
 from .generation.mtp_heads import expose_mtp_layers
-from .generation.plan import CACHE_CLASSES, DraftPlan, DraftSpec, resolve_plan, verify_attention
+from .generation.plan import DraftPlan, resolve_plan, verify_attention
+from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp_cache
 

@@ -4,7 +4,7 @@ and a DFlash drafter, and the run options split from the cache's."""
 import pytest
 
 from hf_budgetdraft.generation.cache_config import WindowedSpec
-from hf_budgetdraft.generation.plan import DraftSpec
+from hf_budgetdraft.generation.spec import DraftSpec
 
 
 @pytest.mark.parametrize(

@@ -157,7 +157,8 @@ def test_the_draft_cache_length_is_kept_on_the_host(monkeypatch, cache, cache_co
 def test_each_reason_names_what_decided_the_choice():
     from transformers import GenerationConfig
 
-    from hf_budgetdraft.generation.plan import DraftSpec, resolve_plan
+    from hf_budgetdraft.generation.plan import resolve_plan
+    from hf_budgetdraft.generation.spec import DraftSpec
 
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     asked = plan_for(target, drafter, cache_config={"lean_step": False, "prefill_window": None})

@@ -15,7 +15,7 @@ from hf_budgetdraft.generation.draft_steps import (
     ForwardStep,
     Prefill,
 )
-from hf_budgetdraft.generation.plan import DraftSpec
+from hf_budgetdraft.generation.spec import DraftSpec
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
 from hf_budgetdraft.attention.common import as_additive
 from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, windowed_prefill
 from hf_budgetdraft.generation import draft_steps
-from hf_budgetdraft.generation.plan import DEFAULT_PREFILL_WINDOW
+from hf_budgetdraft.generation.spec import DEFAULT_PREFILL_WINDOW
 from hf_budgetdraft.trainer.views import SparseViewSpec, run_shared_prefix, view_logits
 
 SINK, WINDOW, LENGTH = 4, 16, 70  # chunks [0, 16), [16, 32), ... the last one partial
@@ -153,7 +153,7 @@ def test_the_default_prefills_windowed_where_it_applies_and_says_so():
 def test_the_one_liner_reports_the_prefill_window_it_ran(cache_config, monkeypatch):
     """The plan shows the resolved window; a prompt longer than it is prefilled in chunks (lossless), and `None`
     runs the drafter's full prefill."""
-    monkeypatch.setattr("hf_budgetdraft.generation.plan.DEFAULT_PREFILL_WINDOW", WINDOW)
+    monkeypatch.setattr("hf_budgetdraft.generation.spec.DEFAULT_PREFILL_WINDOW", WINDOW)
     target, drafter = model_pair("llama", "sdpa")
     ids = random_prompt(120, seed=8)
     expected = target.generate(ids, do_sample=False, max_new_tokens=12)

@@ -17,7 +17,7 @@ from ..demo.documents import DEMO_TEXT
 from ..eval.greedy_diff import divergence_margin, tie_tolerance, token_diff
 from ..eval.random_models import random_pair
 from ..eval.timing import RunResult, ar_setup, configure_drafter, timed_generate
-from ..generation.plan import DraftSpec
+from ..generation.spec import DraftSpec
 from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
 
 FULL_CACHE_GAMMA = 5  # --cache full: stock assisted generation drafts this many tokens a round

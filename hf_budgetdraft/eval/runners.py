@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.plan import DraftSpec
+from ..generation.spec import DraftSpec
 from .timing import AR_SETUPS, RunResult, ar_setup, configure_drafter, timed_generate
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")

@@ -31,7 +31,7 @@ from ..compat import CACHE_KWARG, output_cache
 from ..cpu import few_row_linears
 from ..generation.compiled_step import draft_step_compile_config
 from ..generation.draft_length.clock import synchronize
-from ..generation.plan import DraftSpec
+from ..generation.spec import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
 
 # plain-AR baselines besides the target as loaded (see `ar_setup`)

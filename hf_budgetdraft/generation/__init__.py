@@ -20,7 +20,8 @@ from .compiled_step import draft_step_compile_config
 from .dflash import windowed_dflash_cache
 from .draft_length import AdaptiveDraftLength, DraftLength, FixedDraftLength, HeuristicDraftLength
 from .mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
-from .plan import DraftPlan, DraftSpec, resolve_plan
+from .plan import DraftPlan, resolve_plan
+from .spec import DraftSpec
 from .stats import SpeculationStats, record_speculation
 from .windowed_mtp import windowed_mtp_cache
 

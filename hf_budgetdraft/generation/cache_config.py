@@ -1,6 +1,6 @@
 """One parser of `generate(cache_config=...)` for every kind of draft, with the same checks and messages.
 
-- a drafter (`assistant_model=`): `DraftSpec.from_cache_config` (`plan.py`) checks its keys here;
+- a drafter (`assistant_model=`): `DraftSpec.from_cache_config` (`spec.py`) checks its keys here;
 - the model's own MTP head (`use_mtp=True`) and a DFlash drafter (`speculation_type="dflash"`): `WindowedSpec`, the
   windowed cache's options plus the run options that kind takes (MTP: `draft_length`, `fast_verify`).
 

@@ -4,20 +4,14 @@ with the reason `DraftPlan.reasons` reports."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from transformers import CompileConfig, GenerationConfig
 
 from ..cache import is_full_attention_only
 from ..cpu import lean_step_problem
 from .compiled_step import compile_pays, draft_step_compile_config
 from .device_rules import DeviceRules
+from .spec import AUTO, DraftSpec
 from .static_verify import verify_compile_config
-
-if TYPE_CHECKING:
-    from .plan import DraftSpec
-
-AUTO = "auto"  # a switch decided per call
 
 _LENGTH_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 

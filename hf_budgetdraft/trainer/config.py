@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import SchedulerType
 
 from ..cache.policies import POLICIES, get_policy
-from ..generation.plan import DraftSpec
+from ..generation.spec import DraftSpec
 from .losses import LOSSES, SOFT_LOSSES
 from .views import VIEW_KINDS, SparseViewSpec
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ...eval.timing import configure_drafter
-from ...generation.plan import DraftSpec
+from ...generation.spec import DraftSpec
 from .request import DEFAULT_SPEC, METHOD_LABELS, MTP_METHODS, DemoInputError, RunRequest
 from .store import ModelPair
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.policies import POLICIES
-from ...generation.plan import DraftSpec
+from ...generation.spec import DraftSpec
 from ...loading import DTYPES
 from ..config import AppArguments
 
