@@ -29,7 +29,13 @@ def assert_generate_is_lossless(capsys, *args: str) -> str:
     assert 1 <= rounds <= int(flags["--max_new_tokens"])
     # every round yields the accepted drafts plus the target's own token: between 1 and gamma + 1
     assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= gamma + 1
-    assert 0 <= _field(r"acceptance rate (\d+\.\d)%", out) <= 100
+    # accepted drafts = (mean accepted length - 1) x rounds; each drafting round proposed at most gamma of them
+    rate = _field(r"acceptance rate (\d+\.\d)%", out)
+    accepted = (_field(r"mean accepted length (\d+\.\d+),", out) - 1) * rounds
+    drafting = rounds - _field(r"\((\d+) plain AR steps\)", out)
+    assert 0 <= rate <= 100 and (rate > 0 or accepted < 1)
+    if drafting:
+        assert rate >= 100 * (accepted - 0.005 * rounds) / (gamma * drafting) - 0.05
     return out
 
 

@@ -193,8 +193,8 @@ def test_unknown_layer_type_is_refused():
 
 # -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------
 @pytest.fixture
-def fresh_log(monkeypatch, caplog):
-    monkeypatch.setattr(cache_base, "_logged", set())
+def fresh_log(caplog):
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-message warnings, shared by every logger
     caplog.set_level(logging.WARNING, logger=cache_base.__name__)
     return caplog
 

@@ -31,15 +31,9 @@ from hf_budgetdraft.attention.varlen import STATIC_LAYER_KWARG
 from hf_budgetdraft.cache import BudgetedLayer, SinkWindowLayer, get_policy
 from hf_budgetdraft.cache.static import StaticBudgetedLayer, StaticSinkWindowLayer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 HEADS, GROUPS, DIM, SLACK = 2, 2, 4, 6
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 operations = st.lists(

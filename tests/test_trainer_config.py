@@ -7,7 +7,6 @@ from tiny_models import model_pair, random_prompt, tiny_config
 from tokenizers import Tokenizer, models
 from trainer_helpers import (
     char_tokenizer,
-    one_thread,  # noqa: F401 (autouse fixture)
 )
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -18,6 +17,8 @@ from hf_budgetdraft.trainer import (
     BudgetDraftTrainer,
     check_vocab_compatible,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(tmp_path, **overrides):

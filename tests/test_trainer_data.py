@@ -9,7 +9,6 @@ from tiny_models import model_pair
 from trainer_helpers import (
     EOS,
     char_tokenizer,
-    one_thread,  # noqa: F401 (autouse fixture)
     write_corpus,
 )
 
@@ -20,6 +19,8 @@ from hf_budgetdraft.trainer import (
     precompute_teacher_targets,
     sampled_rows,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_load_and_pack_local_text(tmp_path):

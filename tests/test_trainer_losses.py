@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
-from trainer_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from hf_budgetdraft.trainer import losses
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, T, V = 3, 7, 11
 PREFIX = 3  # positions [PREFIX, T) are the continuation

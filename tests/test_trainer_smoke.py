@@ -10,7 +10,6 @@ from peft import PeftModel
 from tiny_models import model_pair, random_prompt
 from trainer_helpers import (
     char_tokenizer,
-    one_thread,  # noqa: F401 (autouse fixture)
     write_corpus,
 )
 from transformers import AutoModelForCausalLM
@@ -18,6 +17,8 @@ from transformers import AutoModelForCausalLM
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.trainer import BudgetDraftConfig, BudgetDraftTrainer, precompute_teacher_targets
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PREFIX, CONTINUATION = 96, 16
 

@@ -4,10 +4,11 @@ logits from a BudgetDraft training view equal those produced token by token thro
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
-from trainer_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from hf_budgetdraft import query_capture
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PREFIX, CONTINUATION = 80, 12
 TOLERANCE = dict(

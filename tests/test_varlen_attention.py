@@ -26,13 +26,7 @@ from hf_budgetdraft.attention import varlen
 from hf_budgetdraft.attention.varlen import kernels
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random_case(seed, batch, kv_heads, groups, kv_length, dim, q_length, per_head, density=0.5):

@@ -7,8 +7,6 @@ import random
 import string
 from pathlib import Path
 
-import pytest
-import torch
 from tiny_models import COMMON
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -35,12 +33,3 @@ def write_corpus(folder: Path, num_documents: int = 3, length: int = 700, seed: 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return folder
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and a busy 2-core machine turns 2 threads into spin-waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

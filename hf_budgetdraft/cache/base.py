@@ -14,7 +14,6 @@ Contracts:
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -26,11 +25,12 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
     get_layer_types_and_kwargs,
 )
+from transformers.utils import logging
 
 from .ring_window import RingWindow
 from .static import StaticDraftLayer
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 MAX_CACHE_TOKENS = 1 << 22  # bound on any user-given size, so a typo cannot allocate terabytes
 
 
@@ -165,13 +165,6 @@ class SparseDraftLayer(CacheLayerMixin):
 # DeepSeek-V3.2's sparse attention: its indexer reads the whole cache, so it is kept whole, and this is logged).
 NATIVE_LAYER_TYPES = tuple(t for t in DYNAMIC_LAYER_TYPE_MAPPING if t not in ("full_attention", "hybrid"))
 _UNBOUNDED_NATIVE = ("indexed_attention",)
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.warning(message)
 
 
 class SparseDraftCache(Cache):
@@ -242,12 +235,12 @@ def _log_what_is_not_sparsified(
     cache_name: str, model_type: str, layer_types: list[str], layers: list
 ) -> None:
     if not any(isinstance(layer, (SparseDraftLayer, StaticDraftLayer)) for layer in layers):
-        _log_once(
+        logger.warning_once(
             f"{cache_name}: {model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}), so "
             "nothing is sparsified: the draft runs on the model's own cache, as stock assisted generation does"
         )
     elif unbounded := sorted(set(layer_types) & set(_UNBOUNDED_NATIVE)):
-        _log_once(
+        logger.warning_once(
             f"{cache_name}: the {unbounded} layers of {model_type!r} select their own keys from the whole cache and "
             "keep it whole (not sparsified); only its full-attention layers are bounded"
         )
