@@ -139,6 +139,17 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
     assert len(graphs) == verify["new_shapes"] == 3 and verify["recompiles"] == 0  # buckets 1, 2, 4
 
 
+def test_a_confidence_threshold_keeps_transformers_loop():
+    """The device round drafts without reading the device; a threshold that ends a draft early needs a read a step,
+    so such a call runs transformers' loop (asked explicitly, it is refused)."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    plan = plan_for(target, drafter, assistant_confidence_threshold=0.3)
+    assert plan.confidence_threshold == 0.3
+    assert "confidence threshold" in plan.reasons["device_round"] and not plan.device_round
+    with pytest.raises(ValueError, match="confidence threshold"):
+        plan_for(target, drafter, cache_config=ROUND, assistant_confidence_threshold=0.3)
+
+
 def test_a_target_with_sliding_layers_keeps_transformers_loop():
     target, drafter = model_pair("gemma2", "eager", num_assistant_tokens=None)
     with pytest.raises(ValueError, match="besides full attention"):

@@ -5,7 +5,6 @@ the same prefix (`run_shared_prefix(..., prefill_window=W)`)."""
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
-from trainer_helpers import one_thread  # noqa: F401 (autouse fixture)
 from transformers import DynamicCache
 
 from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
@@ -14,6 +13,8 @@ from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_fro
 from hf_budgetdraft.generation import draft_steps
 from hf_budgetdraft.generation.spec import DEFAULT_PREFILL_WINDOW
 from hf_budgetdraft.trainer.views import SparseViewSpec, run_shared_prefix, view_logits
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SINK, WINDOW, LENGTH = 4, 16, 70  # chunks [0, 16), [16, 32), ... the last one partial
 

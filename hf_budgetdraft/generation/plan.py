@@ -176,11 +176,14 @@ def resolve_plan(
     static, static_reason = _static_choice(spec, drafter)
     lean, lean_problem = lean_step_choice(spec.lean_step, static, drafter, rules)
     compiled, compile_config, compile_reason = compile_choice(spec, static, lean, drafter, call, rules)
-    device_round, round_reason = device_round_choice(spec, target, batched, rules, loop_problem)
-    verify_config, verify_reason = verify_compile_choice(spec, device_round, target, call, rules)
     length, source, threshold, start = draft_length_choice(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )
+    # a threshold ends a draft early on a read of the device every step: transformers' loop does that
+    if threshold and loop_problem is None:
+        loop_problem = f"a confidence threshold ({threshold:g}) would read the device every draft step"
+    device_round, round_reason = device_round_choice(spec, target, batched, rules, loop_problem)
+    verify_config, verify_reason = verify_compile_choice(spec, device_round, target, call, rules)
     target_rules = device_rules(target.device, target.dtype)
     # the device round's target runs as loaded: its verification is compiled, not switched per call
     fast_verify = spec.fast_verify and not device_round
