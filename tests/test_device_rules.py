@@ -33,7 +33,7 @@ def test_cpu_keeps_its_speedups_and_rents_the_compilation(dtype):
         "compiled_catch_up",
         "round_clock",
     }
-    assert not rules.device_round and rules.reasons["device_round"].startswith("estimate")
+    assert not rules.device_round and rules.reasons["device_round"].startswith("measured")
     assert rules.compiled_catch_up == 0
 
 

@@ -69,9 +69,9 @@ def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32)
                 "prefill_window": "measured on CPU: a windowed draft prefill costs less than a full one",
                 "compile_from_first_call": "estimate: a cold CPU compilation costs tens of seconds, so the step "
                 "compiles once the eager steps have spent that",
-                "device_round": "estimate: a CPU round is compute-bound, so a compiled verification would save "
-                "little for a compilation per verification length; the measured CPU round (an eager target on a "
-                "GrowableCache in transformers' loop) stays",
+                "device_round": "measured on CPU with an eager verification: slower than the CPU round, whose "
+                "target keeps budgetdraft_sdpa and few-row linear layers on a GrowableCache (compiled on CPU: not "
+                "measured)",
                 "compiled_catch_up": "estimate: on CPU catch-up blocks keep the block step (the lean step's, measured "
                 "cheaper than the drafter's own forward)",
                 "round_clock": "host clock: CPU work is synchronous",
