@@ -203,8 +203,7 @@ def _get_candidate_generator(
         if plan is None:  # reached without generate(): resolve here (no attention switch)
             _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
             plan = _plan(self, assistant_model, generation_config)
-        with plan.drafting(assistant_model)():  # a static cache checks the attention its drafter runs
-            draft_cache = plan.spec.build_cache(assistant_model.config)
+        draft_cache = plan.draft_cache(assistant_model)
         generator = SparseDraftCandidateGenerator(
             input_ids=input_ids,
             assistant_model=assistant_model,

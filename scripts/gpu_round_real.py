@@ -138,13 +138,6 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
     spans = rows.ForwardSpans(device)
     with spans.installed(), record_speculation() as stats:
         target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"], **one_liner)
-    device_s = spans.device_seconds()
-    walls = [
-        d + v for d, v in zip(stats.draft_seconds_per_round, stats.verify_seconds_per_round, strict=True)
-    ]
-    host = [
-        w - d for w, d, p in zip(walls[1:], device_s[1:], stats.proposed_per_round[1:], strict=False) if p
-    ]
     ratio = statistics.median(
         d / b for d, b in zip(rates["d_oneliner"], rates["b_static_compiled"], strict=True)
     )
@@ -153,8 +146,7 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
         "runs_tokens_per_s": rates,
         "d_over_b": ratio,
         "tokens_a_round": stats.mean_accepted_length,
-        "host_ms_per_drafting_round": statistics.median(host) * 1e3 if host else None,
-        "device_ms_per_round": statistics.median(device_s[1:]) * 1e3 if len(device_s) > 1 else None,
+        **spans.summary(stats),
         "runtime": stats.runtime,
     }
     report.check("real.speed.device_round_ran", (stats.runtime or {}).get("loop") == "device_round", result)

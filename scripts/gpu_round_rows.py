@@ -192,7 +192,7 @@ def _summarise(rates: dict, judged: dict, compile_seconds: dict, traces: dict) -
     b = rates["b_static_compiled"]
     ratios = {}
     for key, values in rates.items():
-        pairs = [v / b[i % len(b)] for i, v in enumerate(values)]
+        pairs = [v / b[i] for i, v in enumerate(values)]  # one value a repeat, paired with (b)'s
         ratios[key] = statistics.median(pairs)
     return {
         "decode_tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
@@ -256,6 +256,20 @@ class ForwardSpans:
             return [sum(b.elapsed_time(e) / 1e3 for b, e in spans) for spans in self.rounds]
         return [sum(e - b for b, e in spans) for spans in self.rounds]
 
+    def summary(self, stats) -> dict:
+        """Medians over the call's rounds after the first (which holds the prefills): the exposed host ms of a
+        drafting round (its wall time, from `stats`, minus its forwards' device time) and a round's device ms."""
+        device = self.device_seconds()
+        walls = [
+            d + v for d, v in zip(stats.draft_seconds_per_round, stats.verify_seconds_per_round, strict=True)
+        ]
+        drafted = stats.proposed_per_round
+        host = [w - d for w, d, p in zip(walls[1:], device[1:], drafted[1:], strict=False) if p]
+        return {
+            "host_ms_per_drafting_round": statistics.median(host) * 1e3 if host else None,
+            "device_ms_per_round": statistics.median(device[1:]) * 1e3 if len(device) > 1 else None,
+        }
+
 
 def device_round_record(target, prompt, sizes: dict, kwargs: dict, judged: dict, traces: dict) -> dict:
     """The one-liner's own record with the first trace: exposed host ms a drafting round, synchronisations a round."""
@@ -264,15 +278,9 @@ def device_round_record(target, prompt, sizes: dict, kwargs: dict, judged: dict,
     spans = ForwardSpans(prompt.device)
     with replay.installed(), spans.installed():
         _, _, stats = _timed(target, prompt, sizes["new_tokens"], kwargs)
-    device = spans.device_seconds()
-    walls = [
-        d + v for d, v in zip(stats.draft_seconds_per_round, stats.verify_seconds_per_round, strict=True)
-    ]
-    host = [w - d for w, d, p in zip(walls[1:], device[1:], stats.proposed_per_round[1:], strict=False) if p]
     record = {
         "rounds": stats.rounds,
-        "host_ms_per_drafting_round": statistics.median(host) * 1e3 if host else None,
-        "device_ms_per_round": statistics.median(device[1:]) * 1e3 if len(device) > 1 else None,
+        **spans.summary(stats),
         "runtime": stats.runtime,
         "synchronisations_per_round": synchronisations(target, prompt, sizes, kwargs, replay),
     }

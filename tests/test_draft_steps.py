@@ -67,11 +67,11 @@ def test_a_plan_picks_its_steps_once():
     plan = plan_for(target, drafter, cache_config={"compile": True})
     with plan.drafting(drafter)():  # the call runs the drafter on budgetdraft_varlen
         cache = plan.spec.build_cache(drafter.config, static=True)
-    steps = DraftSteps.for_plan(plan, drafter, cache, capture_queries=False)
+    steps = DraftSteps.for_plan(plan, drafter, cache)
     assert isinstance(steps.token, CompiledStep) and isinstance(steps.block, CheckedLeanStep)
     assert steps.token.fallback is steps.block and steps.block.fallback is steps.eager and steps.compiled
     plain = plan_for(target, drafter, cache_config={"compile": False, "lean_step": False})
-    steps = DraftSteps.for_plan(plain, drafter, cache, capture_queries=False)
+    steps = DraftSteps.for_plan(plain, drafter, cache)
     assert steps.token is steps.block is steps.eager and not steps.compiled
     assert steps.prefill.window == plain.spec.prefill_window
 

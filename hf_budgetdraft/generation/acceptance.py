@@ -75,3 +75,27 @@ def speculative_accept(
     if on_device:
         return kept, sample_on_device(distribution, generator)
     return kept, torch.multinomial(distribution, 1, generator=generator)[:, 0]
+
+
+def accept_round(
+    drafts: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    limits: torch.Tensor,
+    sample: bool,
+    on_device: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verified round's outcome for every row: `(kept (B,), new (B, γ + 1))`, row b's tokens `new[b, : kept[b] + 1]`
+    (its kept drafts, then the target's token). Greedy: `greedy_accept`; sampling: `speculative_accept`, or with no
+    drafts a draw from the target's distribution. `on_device`: nothing read on the host (`sample_on_device`)."""
+    if sample and drafts.shape[1]:
+        kept, bonus = speculative_accept(drafts, draft_logits, target_logits, limits, on_device=on_device)
+    elif sample:
+        probs = target_logits[:, 0].softmax(-1)  # (B, V)
+        kept = limits
+        bonus = sample_on_device(probs) if on_device else torch.multinomial(probs, 1)[:, 0]
+    else:
+        kept, bonus = greedy_accept(drafts, target_logits, limits)
+    new = torch.cat([drafts, bonus[:, None]], 1)
+    new.scatter_(1, kept[:, None], bonus[:, None])
+    return kept, new

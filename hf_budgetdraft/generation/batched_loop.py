@@ -32,7 +32,7 @@ from ..attention.ragged_rows import ragged_rows
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_sparse import RaggedBudgetedCache
 from ..compat import cache_kwargs
-from .acceptance import greedy_accept, speculative_accept
+from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .plan import DraftPlan
 from .processors import LENGTH_ONLY, SCORE_ONLY, suppress_eos
@@ -222,14 +222,7 @@ class BatchedSpeculation:
         self._round_draft_end = time.perf_counter()
         fed = torch.cat([self._last_tokens()[:, None], drafts], 1)
         logits = self._process(self._step(self.target, self.target_cache, fed, needed=limits + 1), drafts)
-        if self.sample and gamma:
-            kept, bonus = speculative_accept(drafts, draft_logits, logits, limits)
-        elif self.sample:
-            kept, bonus = limits, torch.multinomial(logits[:, 0].softmax(-1), 1)[:, 0]
-        else:
-            kept, bonus = greedy_accept(drafts, logits, limits)
-        new = torch.cat([drafts, bonus[:, None]], 1)
-        new.scatter_(1, kept[:, None], bonus[:, None])
+        kept, new = accept_round(drafts, draft_logits, logits, limits, self.sample)
         self.target_cache.crop_rows(gamma - kept)
         if gamma:
             self.draft_cache.crop_rows((gamma - 1) - kept.clamp(max=gamma - 1))
@@ -337,13 +330,14 @@ def _stack(drafts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.stack(drafts, 1)
 
 
-_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# the per-token outputs of generate() that a loop of this package does not return
+PER_TOKEN_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def _refuse_unsupported(generation_config, kwargs: dict, what: str, only_with_dict: bool) -> None:
     """The options a batched loop cannot honour (`only_with_dict`: the outputs count only when a dict is returned)."""
     outputs = not only_with_dict or generation_config.return_dict_in_generate
-    asked = [name for name in _UNSUPPORTED_OUTPUTS if outputs and getattr(generation_config, name, False)]
+    asked = [name for name in PER_TOKEN_OUTPUTS if outputs and getattr(generation_config, name, False)]
     if asked:
         raise ValueError(
             f"{asked} are not returned by {what} (its rounds emit ragged tokens per row); drop them, or generate one "

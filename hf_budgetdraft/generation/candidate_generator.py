@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from ..cache import BudgetedCache, SparseDraftCache
+from ..cache import SparseDraftCache
 from ..compat import CACHE_KWARG, activate_past_recording, prepare_draft_inputs
 from . import draft_length
 from .compiled_step import record_eager_steps
@@ -47,9 +47,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.plan = plan
         self.draft_length = draft_length.for_plan(plan)
         self.clock = RoundClock(self.draft_length, assistant_model.device)
-        policy = getattr(draft_cache, "policy", None)
-        capture = isinstance(draft_cache, BudgetedCache) and policy.needs_queries
-        self.steps = DraftSteps.for_plan(plan, assistant_model, draft_cache, capture_queries=capture)
+        self.steps = DraftSteps.for_plan(plan, assistant_model, draft_cache)
         self._drafting = plan.drafting(assistant_model)
         # tokens the draft cache holds, kept on the host: a static cache's own count is a device tensor, and
         # reading it would cost a device synchronisation twice a round (None: unknown, read the cache)

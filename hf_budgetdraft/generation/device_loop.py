@@ -26,23 +26,21 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..cache import BudgetedCache
 from . import draft_length
-from .acceptance import sample_on_device, speculative_accept
+from .acceptance import accept_round, sample_on_device
+from .batched_loop import PER_TOKEN_OUTPUTS
 from .draft_length import RoundClock
 from .draft_steps import DraftSteps
 from .plan import DraftPlan
 from .processors import is_blockwise, process_block
 from .static_verify import StaticVerify, give_back, take_cache
 
-_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-
 
 def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
     """Why this call must run transformers' loop instead of the device round (`None`: it need not)."""
     if input_ids is None or input_ids.shape[0] != 1:
         return "the device round decodes one sequence"
-    asked = [name for name in _OUTPUTS if getattr(generation_config, name, False)]
+    asked = [name for name in PER_TOKEN_OUTPUTS if getattr(generation_config, name, False)]
     if generation_config.return_dict_in_generate and asked:
         return f"it returns {asked}"
     processors = [p for p in kwargs.get("logits_processor") or [] if not is_blockwise(p)]
@@ -72,10 +70,8 @@ class DeviceRound:
         self.draft_length = draft_length.for_plan(plan)
         length = plan.spec.draft_length
         self.most = length if isinstance(length, int) else plan.spec.max_draft_length
-        with plan.drafting(drafter)():
-            self.draft_cache = plan.spec.build_cache(drafter.config)
-        capture = isinstance(self.draft_cache, BudgetedCache) and self.draft_cache.policy.needs_queries
-        self.steps = DraftSteps.for_plan(plan, drafter, self.draft_cache, capture_queries=capture)
+        self.draft_cache = plan.draft_cache(drafter)
+        self.steps = DraftSteps.for_plan(plan, drafter, self.draft_cache)
         self._drafting = plan.drafting(drafter)
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = None if eos is None else eos.to(target.device).reshape(-1)
@@ -124,21 +120,6 @@ class DeviceRound:
                     self.draft_seen += 1
         return torch.cat(drafts, 1), (torch.cat(scores, 1) if self.sample else None)
 
-    def _accept(
-        self, drafts: torch.Tensor, draft_logits, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(kept (), new tokens (1, γ + 1))` on the device: the round's tokens are `new[:, : kept + 1]`."""
-        gamma = drafts.shape[1]
-        if self.sample and gamma:
-            limit = torch.full((1,), gamma, dtype=torch.long, device=drafts.device)
-            kept, bonus = speculative_accept(drafts, draft_logits, logits, limit, on_device=True)
-            new = torch.cat([drafts, bonus[:, None]], 1)
-            new.scatter_(1, kept[:, None], bonus[:, None])
-            return kept[0], new
-        choice = self._pick(logits)  # (1, γ + 1); greedy: the target's argmax, agreeing drafts equal it
-        kept = (drafts == choice[:, :gamma]).long().cumprod(-1).sum(-1)[0]
-        return kept, choice
-
     def _round(self, tokens: torch.Tensor, length: int, gamma: int) -> tuple[int, int]:
         """Draft, verify and accept after `tokens[:, :length]`; writes the new tokens from `length` on and returns
         `(kept, tokens up to and with the first EOS among the kept + 1, else 0)`: the round's one host read."""
@@ -147,7 +128,11 @@ class DeviceRound:
         self.clock.drafted(gamma)
         fed = torch.cat([tokens[:, length - 1 : length], drafts], 1)
         logits = self._process(self.verify(fed, length - 1), length)
-        kept, new = self._accept(drafts, draft_logits, logits)
+        limits = torch.full((1,), gamma, dtype=torch.long, device=drafts.device)
+        kept, new = accept_round(
+            drafts, draft_logits, logits, limits, self.sample, on_device=True
+        )  # (1,), (1, γ + 1)
+        kept = kept[0]
         tokens[:, length : length + gamma + 1] = new
         eos_end = torch.zeros_like(kept)
         if self.eos is not None:

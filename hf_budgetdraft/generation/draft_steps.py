@@ -22,6 +22,7 @@ import torch
 from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
+from ..cache import BudgetedCache
 from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
@@ -167,8 +168,11 @@ class DraftSteps:
     tokens_one_by_one: int = 0
 
     @classmethod
-    def for_plan(cls, plan, model, cache, capture_queries: bool) -> DraftSteps:
+    def for_plan(cls, plan, model, cache) -> DraftSteps:
+        """The steps `plan` asks for, on `model` and its draft `cache` (whose budgeted policy, if it scores the prefix
+        with the prefill's queries, makes the prefill capture them)."""
         spec = plan.spec
+        capture_queries = isinstance(cache, BudgetedCache) and cache.policy.needs_queries
         eager = ForwardStep(model, cache)
         block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
         token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block

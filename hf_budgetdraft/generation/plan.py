@@ -121,6 +121,12 @@ class DraftPlan:
         with using_attention(target, self.target_attention), few_row_linears(target, self.target_linear):
             yield
 
+    def draft_cache(self, drafter):
+        """The call's draft cache for `drafter`, built inside its drafting scope (a static cache checks the
+        attention its drafter runs)."""
+        with self.drafting(drafter)():
+            return self.spec.build_cache(drafter.config)
+
     def drafting(self, drafter) -> Callable[[], contextlib.AbstractContextManager]:
         """The drafter's side: a scope to enter around each draft phase (and the draft cache's construction), which
         runs the drafter on `draft_attention`; a model that drafts for itself verifies outside it."""

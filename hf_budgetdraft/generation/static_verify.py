@@ -13,7 +13,7 @@ causal masking hides it and the next round overwrites it; rollback moves the cac
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import CompileConfig, StaticCache
@@ -127,16 +127,7 @@ class VerifyRecord:
         return max(0, self.graphs_compiled - self.new_shapes)
 
     def as_dict(self) -> dict:
-        return {
-            "compiled": self.compiled,
-            "compiled_calls": self.compiled_calls,
-            "eager_calls": self.eager_calls,
-            "buckets": dict(sorted(self.buckets.items())),
-            "new_shapes": self.new_shapes,
-            "graphs_compiled": self.graphs_compiled,
-            "recompiles": self.recompiles,
-            "failure": self.failure,
-        }
+        return {**asdict(self), "buckets": dict(sorted(self.buckets.items())), "recompiles": self.recompiles}
 
 
 class StaticVerify:
