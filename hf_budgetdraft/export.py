@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from .cache.base import check_size
+from .cache.sizes import check_size
 from .generation.spec import MAX_DRAFT_LENGTH, DraftSpec
 from .loading import DTYPES
 

@@ -48,7 +48,7 @@ from .attention.scoped import uninstall as uninstall_scoped_attention
 from .attention.scoped import using_attention
 from .attention.varlen import register as register_varlen
 from .cache import GrowableCache, SparseDraftCache, is_full_attention_only
-from .cache.base import MAX_CACHE_TOKENS
+from .cache.sizes import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .cpu import few_row_linears
 from .cpu.few_row_linear import uninstall as uninstall_few_row_linears

@@ -16,7 +16,7 @@ from hf_budgetdraft import BudgetedCache, SinkWindowCache, record_speculation
 from hf_budgetdraft.attention import fast_sdpa
 from hf_budgetdraft.attention.ragged_rows import row_by_row_attention
 from hf_budgetdraft.cache.ragged import RaggedCache
-from hf_budgetdraft.cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from hf_budgetdraft.cache.ragged_draft import RaggedBudgetedCache, RaggedSinkWindowCache
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation import batched_loop as batched_module
 from hf_budgetdraft.generation.batched_loop import MAX_BATCH_SIZE, left_padding

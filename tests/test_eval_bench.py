@@ -8,8 +8,7 @@ import re
 import pytest
 import torch
 
-from hf_budgetdraft.cache.base import SparseDraftLayer
-from hf_budgetdraft.cache.static import StaticDraftLayer
+from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.eval import bench
 from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, run_bench
@@ -236,25 +235,16 @@ def test_injected_acceptance_fault_is_caught(tmp_path, monkeypatch, capsys):
 def test_corrupting_the_draft_cache_keeps_the_output_and_lowers_acceptance(tmp_path, monkeypatch):
     clean = run_bench(_reduced(tmp_path / "clean"))
 
-    visible_past, static_past, static_step = (
-        SparseDraftLayer.visible_past,
-        StaticDraftLayer._visible_past,
-        StaticDraftLayer._step,
-    )
+    visible_past, static_step = DraftLayer.visible_past, StaticDraftLayer._step
 
-    def corrupted(self):  # every key the sparse draft reads is paired with the negated value
-        return [(keys, -values) for keys, values in visible_past(self)]
-
-    def corrupted_static_past(self, length):
-        keys, values = static_past(self, length)
-        return keys, -values
+    def corrupted(self, length=None):  # every key the sparse draft reads is paired with the negated value
+        return [(keys, -values) for keys, values in visible_past(self, length)]
 
     def corrupted_static_step(self, *args):  # the static layers' slot buffers, negated the same way
         keys, values = static_step(self, *args)
         return keys, -values
 
-    monkeypatch.setattr(SparseDraftLayer, "visible_past", corrupted)
-    monkeypatch.setattr(StaticDraftLayer, "_visible_past", corrupted_static_past)
+    monkeypatch.setattr(DraftLayer, "visible_past", corrupted)  # both storages' blocks read through it
     monkeypatch.setattr(StaticDraftLayer, "_step", corrupted_static_step)
     broken = run_bench(_reduced(tmp_path / "broken"))
     assert broken.ok and all(r["diff_tokens"] == 0 for r in broken.records)  # the target verified every token

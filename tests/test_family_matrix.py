@@ -13,15 +13,13 @@ import logging
 
 import pytest
 import torch
-import transformers
 from tiny_families import ALL_FAMILIES, MORE_FAMILIES, family_pair, more_config
 from tiny_models import COMMON, random_prompt, skip_unless_static
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, query_capture, record_speculation
-from hf_budgetdraft.cache import SparseDraftLayer, StaticDraftLayer, get_policy
-from hf_budgetdraft.cache import base as cache_base
+from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, draft_cache, get_policy
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 from hf_budgetdraft.generation.windowed_mtp import windowed_mtp_cache
@@ -53,10 +51,6 @@ def _target_greedy(family: str) -> torch.Tensor:
 
 
 def _speculate(family: str, implementation: str, cache_config: dict):
-    if family == "inkling" and transformers.__version__.startswith("5.23."):
-        # a RuntimeError inside inkling's sdpa attention (25 vs 38 keys) on this release only; 5.22 has no inkling,
-        # 5.24 and 5.25 pass. Not investigated further
-        pytest.xfail("inkling drafting on a sparse cache fails on transformers 5.23 (a key-count mismatch)")
     target, drafter = family_pair(family)
     with record_speculation() as stats:
         out = target.generate(
@@ -135,9 +129,10 @@ def test_convolution_state_rolls_back_exactly(family, kind, static):
     assert torch.equal(rolled_back, never_drafted)
     conv_layer, attention_layer = caches[0].layers  # lfm2: conv, attention; inkling: hybrid_sliding, hybrid
     assert isinstance(conv_layer, LinearAttentionLayer)
-    assert isinstance(attention_layer, StaticDraftLayer if static else SparseDraftLayer)
-    # a "hybrid" layer is both: sparse attention keys and a convolution state
+    assert isinstance(attention_layer, StaticDraftLayer if static else DraftLayer)
+    # a "hybrid" layer is both: sparse attention keys and a convolution state; masks take it for full attention
     assert isinstance(attention_layer, LinearAttentionLayer) == (family == "inkling")
+    assert caches[0].is_linear == ([True, False] if family == "lfm2" else [False, False])
 
 
 @pytest.mark.parametrize("family", ["lfm2", "inkling"])
@@ -195,7 +190,7 @@ def test_unknown_layer_type_is_refused():
 @pytest.fixture
 def fresh_log(caplog):
     logging.Logger.warning_once.cache_clear()  # transformers' once-per-message warnings, shared by every logger
-    caplog.set_level(logging.WARNING, logger=cache_base.__name__)
+    caplog.set_level(logging.WARNING, logger=draft_cache.__name__)
     return caplog
 
 

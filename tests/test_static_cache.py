@@ -1,7 +1,7 @@
 """The static draft caches (`cache_config={"static": True}`): fixed-shape decode steps that stay exact.
 
 - contract (hypothesis): over random update/crop sequences a static layer shows a query exactly the keys the
-  dynamic layer (`SinkWindowLayer`, `BudgetedLayer`) returns — bit for bit, recovered from the slot mask and the
+  dynamic `DraftLayer` returns — bit for bit, recovered from the slot mask and the
   slot positions — with the same attention output, `get_mask_sizes` agreeing with `update`, and the same crops
   accepted and refused;
 - compile: the one-token decode step compiles with `torch.compile(fullgraph=True)` into one graph that is reused
@@ -28,8 +28,7 @@ from hf_budgetdraft import (
     record_speculation,
 )
 from hf_budgetdraft.attention.varlen import STATIC_LAYER_KWARG
-from hf_budgetdraft.cache import BudgetedLayer, SinkWindowLayer, get_policy
-from hf_budgetdraft.cache.static import StaticBudgetedLayer, StaticSinkWindowLayer
+from hf_budgetdraft.cache import BudgetSelection, DraftLayer, SinkSelection, StaticDraftLayer, get_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +65,10 @@ def _visible_in_position_order(layer, mask):
     mask = mask.reshape(-1)  # (S + W + slack,)
     static_slots = mask[: layer.static_capacity].nonzero().squeeze(1)
     ring_visible = mask[layer.static_capacity :].nonzero().squeeze(1)
-    ring_slots = ring_visible[layer.ring_positions[ring_visible].argsort()] + layer.static_capacity
+    ring_slots = (
+        ring_visible[layer.slot_positions[layer.static_capacity :][ring_visible].argsort()]
+        + layer.static_capacity
+    )
     slots = torch.cat([static_slots, ring_slots])
     return layer.keys[:, :, slots], layer.values[:, :, slots]
 
@@ -133,8 +135,8 @@ def run_pair(dynamic, static, prefill, ops, seed, queries_for=None):
     seed=st.integers(0, 2**16),
 )
 def test_static_sink_window_layer_matches_dynamic(sink, window, prefill, ops, seed):
-    dynamic = SinkWindowLayer(num_sink_tokens=sink, window_length=window, slack=SLACK)
-    static = StaticSinkWindowLayer(num_sink_tokens=sink, window_length=window, slack=SLACK)
+    dynamic = DraftLayer(SinkSelection(sink), window_length=window, slack=SLACK)
+    static = StaticDraftLayer(SinkSelection(sink), window_length=window, slack=SLACK)
     run_pair(dynamic, static, prefill, ops, seed)
     assert static.nbytes() == 2 * HEADS * (sink + window + SLACK) * DIM * 4  # bounded, whatever the context
 
@@ -151,8 +153,8 @@ def test_static_sink_window_layer_matches_dynamic(sink, window, prefill, ops, se
 @given(window=st.integers(1, 12), prefill=st.integers(1, 40), ops=operations, seed=st.integers(0, 2**16))
 def test_static_budgeted_layer_matches_dynamic(policy, kwargs, budget, window, prefill, ops, seed):
     keep = get_policy(policy, **kwargs)
-    dynamic = BudgetedLayer(keep, budget=budget, window_length=window, slack=SLACK, layer_idx=0)
-    static = StaticBudgetedLayer(keep, budget=budget, window_length=window, slack=SLACK, layer_idx=0)
+    dynamic = DraftLayer(BudgetSelection(budget, keep), window_length=window, slack=SLACK, layer_idx=0)
+    static = StaticDraftLayer(BudgetSelection(budget, keep), window_length=window, slack=SLACK, layer_idx=0)
     queries = (
         (lambda n, g: torch.randn(1, HEADS * GROUPS, n, DIM, generator=g)) if keep.needs_queries else None
     )
@@ -162,10 +164,12 @@ def test_static_budgeted_layer_matches_dynamic(policy, kwargs, budget, window, p
 
 def test_contract_exercises_sink_and_ring_steps_and_wraps():
     """The sequence the hypothesis tests are built from, pinned: sink filling by steps, ring wrap, crops."""
-    dynamic = SinkWindowLayer(num_sink_tokens=3, window_length=4, slack=SLACK)
-    static = StaticSinkWindowLayer(num_sink_tokens=3, window_length=4, slack=SLACK)
+    dynamic = DraftLayer(SinkSelection(3), window_length=4, slack=SLACK)
+    static = StaticDraftLayer(SinkSelection(3), window_length=4, slack=SLACK)
     ops = [("step", 5, 2), ("update", 7, 3), ("step", 6, 6), ("step", 6, 7), ("step", 1, 0)]
-    assert run_pair(dynamic, static, 1, ops, seed=0) == 1 + 5 + 6 + 6 + 1  # a 1-token prefill is a step too
+    assert (
+        run_pair(dynamic, static, 1, ops, seed=0) == 5 + 6 + 6 + 1
+    )  # the prefill is a block, every step in place
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,25 +358,6 @@ def test_family_without_attention_kwargs_is_refused():
             model(random_prompt(1), cache=cache)
 
 
-def test_static_crop_errors_teach():
-    layer = StaticSinkWindowLayer(num_sink_tokens=2, window_length=8, slack=4)
-    generator = torch.Generator().manual_seed(0)
-    layer.update(*_kv(40, generator))
-    layer.update(*_kv(4, generator), kwargs={})  # a step (<= slack tokens): it hands its mask to attention
-    assert layer.consume_key_mask().shape == (1, 1, 4, layer.num_slots)
-    with pytest.raises(ValueError, match="larger `slack`"):
-        layer.crop(-5)
-    assert int(layer.get_seq_length()) == 44
-    layer.crop(torch.tensor(-4))  # transformers' candidate generator passes a tensor for a static cache
-    assert int(layer.get_seq_length()) == 40
-    with pytest.raises(ValueError, match="negative count"):
-        layer.crop(3)
-    budgeted = StaticBudgetedLayer(get_policy("streaming"), budget=16, window_length=8, slack=4, layer_idx=0)
-    budgeted.update(*_kv(40, generator))
-    with pytest.raises(ValueError, match="compressed prefix"):
-        budgeted.crop(-1)
-
-
 def test_query_scored_static_budget_needs_capture():
     _, drafter = model_pair("llama", "budgetdraft_varlen")
     ids = random_prompt(60)
@@ -406,8 +391,8 @@ def test_skipping_what_the_window_drops_changes_nothing_a_query_reads(
 ):
     """`skip`: a layer fed the sink, then `skip(n)`, then the last `window + extra` tokens shows every later query
     exactly what a layer fed the whole sequence shows (a position's keys depend only on its own inputs)."""
-    layer_class = StaticSinkWindowLayer if static else SinkWindowLayer
-    whole, skipping = (layer_class(num_sink_tokens=sink, window_length=window, slack=SLACK) for _ in range(2))
+    layer_class = StaticDraftLayer if static else DraftLayer
+    whole, skipping = (layer_class(SinkSelection(sink), window_length=window, slack=SLACK) for _ in range(2))
     generator = torch.Generator().manual_seed(seed)
     head = max(sink, 1)
     keys, values = _kv(head + skipped + window + extra, generator)
@@ -438,9 +423,9 @@ def test_skipping_what_the_window_drops_changes_nothing_a_query_reads(
             assert torch.equal(k_skip, k_whole) and torch.equal(v_skip, v_whole)
 
 
-@pytest.mark.parametrize("layer_class", [SinkWindowLayer, StaticSinkWindowLayer])
+@pytest.mark.parametrize("layer_class", [DraftLayer, StaticDraftLayer])
 def test_skip_errors_teach(layer_class):
-    layer = layer_class(num_sink_tokens=4, window_length=8, slack=SLACK)
+    layer = layer_class(SinkSelection(4), window_length=8, slack=SLACK)
     with pytest.raises(ValueError, match="store the sink"):
         layer.skip(5)
     layer.update(*_kv(3, torch.Generator().manual_seed(0)), kwargs={})

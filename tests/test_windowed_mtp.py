@@ -10,8 +10,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
 
 from hf_budgetdraft import cache_nbytes, record_speculation
-from hf_budgetdraft.cache import WindowedMtpCache
-from hf_budgetdraft.cache.static import StaticDraftLayer
+from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, WindowedMtpCache
 from hf_budgetdraft.compat import output_cache
 from hf_budgetdraft.generation import windowed_mtp as mtp_module
 from hf_budgetdraft.generation.draft_length import DraftLength
@@ -112,16 +111,16 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     )
     model.set_attn_implementation("budgetdraft_varlen")
     forwards = []
-    step, block = StaticDraftLayer._step, StaticDraftLayer._update_block
+    step, block = StaticDraftLayer._step, DraftLayer.update
     monkeypatch.setattr(
         StaticDraftLayer,
         "_step",
         lambda self, k, *a: forwards.append(("step", k.shape[-2])) or step(self, k, *a),
     )
-    monkeypatch.setattr(
-        StaticDraftLayer,
-        "_update_block",
-        lambda self, k, v: forwards.append(("block", k.shape[-2])) or block(self, k, v),
+    monkeypatch.setattr(  # a static layer's prefill and blocks longer than the slack go through DraftLayer's update
+        DraftLayer,
+        "update",
+        lambda self, k, *a, **kw: forwards.append(("block", k.shape[-2])) or block(self, k, *a, **kw),
     )
     out, stats = generate(
         model, ids, use_mtp=True, cache_implementation="sink_window", cache_config={**fixed, "static": True}
@@ -130,8 +129,8 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     assert stats.accepted_per_round == dynamic_stats.accepted_per_round
     assert stats.proposed_per_round == dynamic_stats.proposed_per_round
     blocks = [n for kind, n in forwards if kind == "block"]
-    if num_mtp_layers == 1:  # its prefill feeds only the sink and the window (the rest is skipped): steps
-        assert blocks == []
+    if num_mtp_layers == 1:  # its prefill feeds the sink (a block), skips, then feeds the window by steps
+        assert blocks == [WINDOW["num_sink_tokens"]]
     else:  # the stock generator's prefill of the whole prompt
         assert blocks in ([ids.shape[1]] * num_mtp_layers, [ids.shape[1] - 1] * num_mtp_layers)
     assert sum(kind == "step" for kind, _ in forwards) >= stats.rounds - 2  # every later forward: in place

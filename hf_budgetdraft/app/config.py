@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cache.base import MAX_CACHE_TOKENS
+from ..cache.sizes import MAX_CACHE_TOKENS
 
 HOST = "127.0.0.1"  # the app never binds anything else; a public link only through Gradio's --share tunnel
 _MAX_UPLOAD_BYTES = 64 << 20  # hard ceiling on --max_upload_bytes (a typo cannot accept gigabytes)

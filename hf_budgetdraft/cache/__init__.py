@@ -1,30 +1,32 @@
-"""Sparse draft KV caches (the draft reads these; `static=True`: their compile-friendly slot-buffer layers), their
-MTP / DFlash forms (`WindowedMtpCache`, `WindowedDFlashCache`) and `GrowableCache`, the full cache the target keeps."""
+"""KV caches. The draft reads a sparse one: a selection (`SinkSelection`, `BudgetSelection`) on a storage (dynamic
+`DraftLayer`, fixed-shape `StaticDraftLayer`, or the batched `RaggedDraftCache`), named `SinkWindowCache` /
+`BudgetedCache`, with MTP / DFlash forms (`WindowedMtpCache`, `WindowedDFlashCache`). The target keeps
+`GrowableCache`, a full cache."""
 
-from .base import SparseDraftCache, SparseDraftLayer, cache_nbytes
-from .budgeted import BudgetedCache, BudgetedLayer
+from .draft_cache import BudgetedCache, SinkWindowCache, SparseDraftCache
+from .draft_layer import DraftLayer
 from .growable import GrowableCache, GrowableLayer, is_full_attention_only
 from .policies import POLICIES, ChunkPolicy, KeepPolicy, SnapKVPolicy, StreamingPolicy, get_policy
-from .sink_window import SinkWindowCache, SinkWindowLayer
-from .static import StaticBudgetedLayer, StaticDraftLayer, StaticSinkWindowLayer
+from .selection import BudgetSelection, Selection, SinkSelection
+from .sizes import cache_nbytes
+from .static_draft_layer import StaticDraftLayer
 from .windowed import WindowedDFlashCache, WindowedMtpCache
 
 __all__ = [
     "POLICIES",
+    "BudgetSelection",
     "BudgetedCache",
-    "BudgetedLayer",
     "ChunkPolicy",
+    "DraftLayer",
     "GrowableCache",
     "GrowableLayer",
     "KeepPolicy",
+    "Selection",
+    "SinkSelection",
     "SinkWindowCache",
-    "SinkWindowLayer",
     "SnapKVPolicy",
     "SparseDraftCache",
-    "SparseDraftLayer",
-    "StaticBudgetedLayer",
     "StaticDraftLayer",
-    "StaticSinkWindowLayer",
     "StreamingPolicy",
     "WindowedDFlashCache",
     "WindowedMtpCache",

@@ -21,7 +21,7 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, get_layer_types_and_kwargs
 
-from .base import cache_nbytes, check_size
+from .sizes import cache_nbytes, check_size
 
 _MAX_GROWTH_FACTOR = 16.0
 

@@ -9,7 +9,7 @@ type, which transformers' models use as given.
 Layer layouts:
 - `RaggedFullLayer`: a position-indexed buffer `(B, H, capacity, D)` (slot p holds position p), for full attention
   and native sliding windows (the window is in the mask): the target's layers and a drafter's sliding ones.
-- `RaggedSlotLayer` (`ragged_sparse.py`): the sparse draft's `[static | ring]` slot buffer with one length per row
+- `RaggedSlotLayer` (`ragged_draft.py`): the sparse draft's `[static | ring]` slot buffer with one length per row
   — sink + window (Windowed-MTP, arXiv 2607.21535) or a policy-selected prefix + window (BudgetDraft,
   arXiv 2606.00144).
 
@@ -26,7 +26,7 @@ from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from ..attention.common import as_additive
-from .base import MAX_CACHE_TOKENS
+from .sizes import MAX_CACHE_TOKENS
 
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -241,13 +241,17 @@ class RaggedCache(Cache):
     # -- rollback and rows ---------------------------------------------------------------------------------------
     def crop_rows(self, remove: torch.Tensor) -> None:
         """Drop the last `remove[b]` tokens of each row `b` (`(B,)` long, >= 0)."""
+        self.lengths = self._lengths_after(remove)
+
+    def _lengths_after(self, remove: torch.Tensor) -> torch.Tensor:
+        """`(B,)` lengths after removing `remove`, or `ValueError` unless `0 <= remove <= lengths`."""
         remove = remove.to(self.lengths.device)
         if bool((remove < 0).any()) or bool((remove > self.lengths).any()):
             raise ValueError(
                 f"crop_rows got {remove.tolist()} for rows of lengths {self.lengths.tolist()}; expected counts in "
                 "[0, length]"
             )
-        self.lengths = self.lengths - remove
+        return self.lengths - remove
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the rows `rows` (`(B',)` long indices), in that order (finished rows leave the batch)."""

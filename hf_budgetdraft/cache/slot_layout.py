@@ -14,13 +14,15 @@ the window still needs. A query at position `p` of a step whose first query is a
     static slot:  filled and visible (a sink position <= p; a kept prefix position always)
     ring slot:    max(ring_start, p0 - W) <= pos <= p          (pos = the position the slot holds, -1 = empty)
 
-and a rollback to length L is exact while every position of its window `[max(ring_start, L - W), L)` still holds
-its own key: while `L - W >= high-water mark - (W + slack)`.
+**The rollback rule**, the same for every storage: a rollback to length L is exact while every position of its
+window `[max(ring_start, L - W), L)` still holds its own key (while `L - W >= high-water mark - (W + slack)`), and
+L is not below the selection's floor (a budgeted prompt, skipped positions). Static slots never need restoring: a
+sink slot holds its own position (hidden from queries before it), a kept prefix lies below the floor.
 
-- `RingSlots`: the host's bookkeeping of one sequence (ring start, oldest intact position, the rollback rule),
-  used by the dynamic ring (`ring_window.py`) and the static layers (`static.py`); it never reads a device tensor.
-- `SlotLayout`: the same arithmetic and visibility on device tensors, for a step's slots and its mask, shared by
-  the static layers (one sequence) and the batched caches (`ragged_sparse.py`, one ring start per row).
+- `RingSlots` + `rollback_length`: the host's bookkeeping of one sequence and the rule on it, used by the
+  single-sequence layers (`draft_layer.py`, `static_draft_layer.py`); they never read a device tensor.
+- `SlotLayout`: the same arithmetic, visibility and rule on device tensors, for a step's slots and its mask, shared
+  by the static layers (one sequence) and the batched caches (`ragged_draft.py`, one ring start per row).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 class RingSlots:
     """Host bookkeeping of a ring of `window + slack` slots holding the positions `[start, ...)` of one cache layer:
     which slot a position lives in, which positions a query reads, and which are still intact for a rollback. The
-    dynamic ring (`RingWindow`) and the static draft layers (`static.py`) share it; neither reads a device tensor.
+    single-sequence draft layers share it; it never reads a device tensor.
 
     Args:
         window (`int`): how many of the most recent past positions a query reads.
@@ -87,6 +89,31 @@ class RingSlots:
         return self.window_start(length) >= self.valid_from or length <= self.start
 
 
+def rollback_length(tokens_to_remove, length: int, ring: RingSlots, floor: int, floor_reason: str) -> int:
+    """The length after `crop(tokens_to_remove)` of a layer at `length`, or `ValueError` if the rollback is not exact
+    (see the module docstring). `floor_reason` says why the layer cannot go back before `floor`."""
+    tokens_to_remove = int(tokens_to_remove)
+    if tokens_to_remove > 0:
+        raise ValueError(
+            f"crop({tokens_to_remove}): sparse draft caches only take a negative count, crop(-n), to remove the last "
+            "n tokens"
+        )
+    new_length = length + tokens_to_remove
+    if new_length < 0:
+        raise ValueError(f"crop({tokens_to_remove}) removes more than the {length} cached tokens")
+    if new_length < floor:
+        raise ValueError(
+            f"crop({tokens_to_remove}) goes back to {new_length}, before position {floor}: {floor_reason}"
+        )
+    if not ring.can_roll_back_to(new_length):
+        raise ValueError(
+            f"crop({tokens_to_remove}) needs position {ring.window_start(new_length)}, already overwritten in the ring "
+            f"(oldest kept: {ring.valid_from}); rolling back is exact only within the slack ({ring.slack} tokens). "
+            "Create the cache with a larger `slack` (>= the draft length)."
+        )
+    return new_length
+
+
 @dataclass(frozen=True)
 class SlotLayout:
     """`[static_capacity | window + slack]` slots on device tensors; positions may carry any leading batch shape.
@@ -132,6 +159,16 @@ class SlotLayout:
         """Whether a ring slot holding position `held` is read by a query at `queries` of a step whose first query
         is at `first` (shapes broadcast): within the window, not past the query, not empty or stale."""
         return (held >= torch.maximum(ring_start, first - self.window)) & (held <= queries)
+
+    def visible(
+        self, held: torch.Tensor, ring_start: torch.Tensor, queries: torch.Tensor, first: torch.Tensor
+    ) -> torch.Tensor:
+        """Whether each slot, holding position `held` (`(..., S + W + slack)`, -1 = empty), is read by a query at
+        `queries` of a step whose first query is at `first` (shapes broadcast): a static slot when filled and not
+        past the query, a ring slot as `ring_visible` says."""
+        is_static = torch.arange(self.num_slots, device=held.device) < self.static_capacity
+        static = (held >= 0) & (held <= queries)
+        return torch.where(is_static, static, self.ring_visible(held, ring_start, queries, first))
 
     def window_intact(
         self, held_ring: torch.Tensor, ring_start: torch.Tensor, lengths: torch.Tensor

@@ -2,7 +2,7 @@
 
 - `WindowedMtpCache` (Windowed-MTP, arXiv 2607.21535): `generate(use_mtp=True)` drafts with `MtpModel` on an
   `MtpCache`, whose depth-k layer runs k+1 tokens ahead of the main model; this cache keeps those offsets on
-  `SinkWindowLayer`s.
+  sink + window draft layers.
 - `WindowedDFlashCache`: transformers' DFlash block drafter (`speculation_type="dflash"`) appends the keys/values of
   the newly accepted context (projected target hidden states) and of the noise block each round, while only the
   `block_size` noise tokens are queries; this cache keeps `DFlashCache`'s bookkeeping (keys run `accepted` tokens
@@ -17,7 +17,7 @@ keep transformers' own layer, as every `SparseDraftCache` does: they are bounded
 
 from __future__ import annotations
 
-from .sink_window import SinkWindowCache
+from .draft_cache import SinkWindowCache
 
 
 class WindowedMtpCache(SinkWindowCache):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TextStreamer
 
-from ..cache.base import MAX_CACHE_TOKENS
+from ..cache.sizes import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
 from ..eval.greedy_diff import divergence_margin, tie_tolerance, token_diff
 from ..eval.random_models import random_pair

@@ -22,8 +22,8 @@ import torch
 
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.scoped import using_attention
-from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
+from ..cache.sizes import cache_nbytes
 from ..compat import cache_kwargs, output_cache
 from ..cpu import few_row_linears
 from ..generation.stats import SpeculationStats, record_speculation

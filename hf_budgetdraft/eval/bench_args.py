@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..cache.base import MAX_CACHE_TOKENS
 from ..cache.policies import POLICIES
+from ..cache.sizes import MAX_CACHE_TOKENS
 from ..loading import check_device, revision_field, trust_remote_code_field
 from .tasks import TASKS
 

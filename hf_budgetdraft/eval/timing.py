@@ -25,8 +25,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.scoped import using_attention
-from ..cache.base import cache_nbytes
 from ..cache.growable import GrowableCache
+from ..cache.sizes import cache_nbytes
 from ..compat import CACHE_KWARG, output_cache
 from ..cpu import few_row_linears
 from ..generation.compiled_step import draft_step_compile_config

@@ -30,7 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..attention.query_capture import query_capture
 from ..attention.ragged_rows import ragged_rows
 from ..cache.ragged import RaggedCache
-from ..cache.ragged_sparse import RaggedBudgetedCache
+from ..cache.ragged_draft import RaggedDraftCache
 from ..compat import cache_kwargs
 from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
@@ -321,7 +321,7 @@ class BatchedSpeculation:
 
 def _scores_queries(cache) -> bool:
     """Whether a cache's prefill needs the prefill queries (a query-scored budgeted policy)."""
-    return isinstance(cache, RaggedBudgetedCache) and cache.policy.needs_queries
+    return isinstance(cache, RaggedDraftCache) and cache.selection.uses_queries
 
 
 def _stack(drafts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

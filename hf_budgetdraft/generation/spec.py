@@ -29,7 +29,7 @@ from transformers.utils import logging
 
 from ..cache import BudgetedCache, SinkWindowCache, get_policy
 from ..cache.ragged import RaggedCache
-from ..cache.ragged_sparse import RaggedBudgetedCache, RaggedSinkWindowCache
+from ..cache.ragged_draft import RaggedBudgetedCache, RaggedSinkWindowCache
 from ..cache.windowed_prefill import layers_besides_full_attention
 from .cache_config import check_bool, check_keys
 

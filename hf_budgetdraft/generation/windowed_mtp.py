@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.utils import logging
 
-from ..cache.sink_window import SinkWindowCache
+from ..cache.draft_cache import SinkWindowCache
 from ..cache.windowed import WindowedMtpCache
 from ..compat import activate_past_recording
 from .cache_config import WindowedSpec

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..attention.query_capture import cancel_request, query_capture, request_queries
-from ..cache import BudgetedCache, KeepPolicy, SinkWindowCache, SparseDraftCache, SparseDraftLayer, get_policy
+from ..cache import BudgetedCache, DraftLayer, KeepPolicy, SinkWindowCache, SparseDraftCache, get_policy
 from ..cache.windowed_prefill import windowed_prefill
 from ..compat import cache_kwargs
 
@@ -204,7 +204,7 @@ class SparseViewSpec:
         needs_queries = self.query_window > 0
         for idx, layer in enumerate(cache.layers):
             layer.update(prefix.keys[idx], prefix.values[idx])
-            if needs_queries and isinstance(layer, SparseDraftLayer):
+            if needs_queries and isinstance(layer, DraftLayer):
                 if prefix.queries[idx] is None:
                     cancel_request(layer)
                     raise ValueError(
@@ -228,7 +228,7 @@ def windowed_block_mask(
     older than `p - W`. Returns a 4D mask `(B, 1, block_length, num_keys)` in the format of the model's attention
     implementation.
     """
-    sparse = [layer for layer in cache.layers if isinstance(layer, SparseDraftLayer)]
+    sparse = [layer for layer in cache.layers if isinstance(layer, DraftLayer)]
     layer = sparse[0]
     length, window = layer.get_seq_length(), layer.ring.window
     num_past = layer.num_visible_past()
@@ -237,7 +237,7 @@ def windowed_block_mask(
     if any(other.num_visible_past() != num_past for other in sparse):
         raise RuntimeError("sparse cache layers disagree on how many past keys they hold")
 
-    device = layer.static_keys.device
+    device = layer.keys.device
     key_pos = torch.arange(length - num_ring, length + block_length, device=device)  # ring + block positions
     query_pos = torch.arange(length, length + block_length, device=device)
     causal = key_pos[None, :] <= query_pos[:, None]  # (q, ring + block)

@@ -59,7 +59,7 @@ def budgetdraft_varlen_mask(
     one-token step the mask is then always materialised, so every decode step hands the compiled forward an input of
     the same type and shape; for a block outside compilation it is read as an int, so a plain causal prefill still
     skips its `(q, kv)` mask. (A static draft cache's one-token step ignores this mask: its layer hands over the
-    exact slot mask, see `hf_budgetdraft.cache.static`.)
+    exact slot mask, see `hf_budgetdraft.cache.static_draft_layer`.)
     """
     static_step = isinstance(q_offset, torch.Tensor) and q_length == 1
     if isinstance(q_offset, torch.Tensor) and q_length > 1 and not torch.compiler.is_compiling():

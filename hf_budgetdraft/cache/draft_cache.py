@@ -1,22 +1,12 @@
-"""What the two sparse draft caches share: a layer = a fixed "static" part + a ring window of recent tokens.
-
-Contracts:
-- keys are stored with their absolute RoPE rotation; `get_seq_length()` is the logical length;
-- `update` returns `[static part, ring window, new tokens]` in that order and `get_mask_sizes` reports exactly
-  that many keys, with an offset that makes every kept past key visible to every new query and keeps the new
-  block causal (kept past keys are mapped to the positions just before the new block);
-- per-layer memory is bounded by the policy, independent of context length;
-- `crop(-n)` is exact while the new length is at most `slack` below the furthest length reached (so always
-  for a draft round of <= slack tokens rolled back), else it
-  raises: a draft cache is never silently corrupted.
-"""
+"""`SparseDraftCache`: a transformers `Cache` whose attention layers are sparse draft layers — a selection
+(`selection.py`) on a storage (`draft_layer.py`, `static_draft_layer.py`) — and whose other layers are
+transformers' own. `SinkWindowCache` and `BudgetedCache` name its two selections."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 
-import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
@@ -27,137 +17,13 @@ from transformers.cache_utils import (
 )
 from transformers.utils import logging
 
-from .ring_window import RingWindow
-from .static import StaticDraftLayer
+from .draft_layer import DraftLayer
+from .policies import KeepPolicy
+from .selection import BudgetSelection, Selection, SinkSelection
+from .sizes import cache_nbytes, check_size
+from .static_draft_layer import StaticDraftLayer, check_static_flag
 
 logger = logging.get_logger(__name__)
-MAX_CACHE_TOKENS = 1 << 22  # bound on any user-given size, so a typo cannot allocate terabytes
-
-
-def check_size(name: str, value, minimum: int) -> None:
-    """Raise `TypeError`/`ValueError` naming `name` unless `minimum <= value <= MAX_CACHE_TOKENS`."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if not minimum <= value <= MAX_CACHE_TOKENS:
-        raise ValueError(f"{name} must be in [{minimum}, {MAX_CACHE_TOKENS}], got {value}")
-
-
-class SparseDraftLayer(CacheLayerMixin):
-    """One attention layer of a sparse draft cache: `static` keys (sink or budgeted selection) + `ring`.
-
-    Subclasses decide what goes into the static part (`_num_static`, `_store`).
-    """
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(self, window_length: int, slack: int, static_capacity: int):
-        super().__init__()
-        self.ring = RingWindow(window_length, slack)
-        self.static_capacity = static_capacity
-        self.static_keys: torch.Tensor | None = None  # (B, H, static_capacity, D)
-        self.static_values: torch.Tensor | None = None
-        self.cumulative_length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.static_keys = key_states.new_zeros(
-            *key_states.shape[:2], self.static_capacity, key_states.shape[-1]
-        )
-        self.static_values = value_states.new_zeros(
-            *value_states.shape[:2], self.static_capacity, value_states.shape[-1]
-        )
-        self.ring.allocate(key_states, value_states, start=self._ring_start())
-        self.is_initialized = True
-
-    def _ring_start(self) -> int:
-        return 0
-
-    def _num_static(self, length: int) -> int:
-        """How many static entries a query at logical length `length` reads."""
-        raise NotImplementedError
-
-    def num_visible_past(self, length: int | None = None) -> int:
-        length = self.cumulative_length if length is None else length
-        if length == 0:
-            return 0
-        return self._num_static(length) + self.ring.num_visible(length)
-
-    def visible_past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Past keys/values a new query reads, in order: `(B, H, n_i, D)` views (static part, then the ring's one or
-        two contiguous pieces) whose lengths sum to `num_visible_past()`; nothing is copied."""
-        length = self.cumulative_length
-        n_static = self._num_static(length) if length else 0
-        static = (
-            [(self.static_keys[:, :, :n_static], self.static_values[:, :, :n_static])] if n_static else []
-        )
-        return static + self.ring.read(length)
-
-    def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """`[visible past, new]` keys and values, `(B, H, num_visible_past() + q, D)`, built with one copy each."""
-        pieces = self.visible_past()
-        if not pieces:
-            return key_states, value_states
-        pieces.append((key_states, value_states))
-        return torch.cat([k for k, _ in pieces], dim=-2), torch.cat([v for _, v in pieces], dim=-2)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        num_past = self.num_visible_past()
-        return num_past + query_length, self.cumulative_length - num_past
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def _check_crop(self, tokens_to_remove: int) -> int:
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): sparse draft caches only take a negative count, crop(-n), "
-                "to remove the last n tokens"
-            )
-        new_length = self.cumulative_length + tokens_to_remove
-        if new_length < 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}) removes more than the {self.cumulative_length} cached tokens"
-            )
-        if not self.ring.can_roll_back_to(new_length):
-            raise ValueError(
-                f"crop({tokens_to_remove}) needs position {self.ring.window_start(new_length)}, already evicted "
-                f"(oldest kept: {self.ring.valid_from}); rolling back is exact only within the slack "
-                f"({self.ring.slack} tokens). Create the cache with a larger `slack` (>= the draft length)."
-            )
-        return new_length
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self._set_length(self._check_crop(tokens_to_remove))
-
-    def _set_length(self, length: int) -> None:
-        self.ring.rolled_back_to(length)
-        self.cumulative_length = length
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            self.static_keys.zero_()
-            self.static_values.zero_()
-            self.ring.restart(self._ring_start())
-        self.cumulative_length = 0
-
-    def nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        static = self.static_keys.numel() * self.static_keys.element_size()
-        return 2 * static + self.ring.nbytes()
-
-    def _unsupported(self, *args, **kwargs):
-        raise ValueError(
-            "sparse draft caches hold one sequence per batch row; beam search/reordering is unsupported"
-        )
-
-    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
 # Layer types that keep the layer transformers' `DynamicCache` gives them: bounded already (a sliding or chunked
@@ -170,7 +36,17 @@ _UNBOUNDED_NATIVE = ("indexed_attention",)
 class SparseDraftCache(Cache):
     """A `Cache` whose attention layers are sparse draft layers; every other layer is transformers' own.
 
-    A full-attention layer gets `make_layer(idx)`; a `"hybrid"` layer (attention and a short convolution in one
+    Args:
+        config (`PreTrainedConfig`): the config of the model that will run on this cache.
+        selection (`Selection`): which past tokens the draft keeps besides its window (`SinkSelection`,
+            `BudgetSelection`, or your own).
+        window_length (`int`): most recent past tokens kept, W.
+        slack (`int`): extra ring slots; the longest draft round that can be rolled back.
+        static (`bool`, defaults to `False`): `StaticDraftLayer`s, whose one-token step has fixed shapes
+            (`torch.compile` / CUDA graphs); needs the model to run `attn_implementation="budgetdraft_varlen"`. Same
+            keys, same outputs as the dynamic `DraftLayer`s.
+
+    A full-attention layer gets a draft layer; a `"hybrid"` layer (attention and a short convolution in one
     decoder layer, e.g. Inkling) gets it plus transformers' convolution state (`with_linear_state`). Every other
     layer type keeps the layer transformers' `DynamicCache` gives it: sliding/chunked windows and convolution states
     (LFM2's `conv` layers) are bounded already; an `indexed_attention` layer (DeepSeek-V3.2) selects its own keys
@@ -191,13 +67,28 @@ class SparseDraftCache(Cache):
     def __init__(
         self,
         config: PreTrainedConfig,
-        make_layer: Callable[[int], SparseDraftLayer | StaticDraftLayer],
+        selection: Selection,
+        window_length: int,
         slack: int,
+        static: bool = False,
     ):
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
                 f"config must be the model's PreTrainedConfig (e.g. `config=model.config`), got {type(config).__name__}"
             )
+        if not isinstance(selection, Selection):
+            raise TypeError(
+                f"selection must be a Selection (e.g. SinkSelection(64)), got {type(selection).__name__}"
+            )
+        check_size("window_length", window_length, 1)
+        check_size("slack", slack, 1)
+        check_static_flag(static, config)
+        self.selection, self.window_length, self.static = selection, window_length, static
+        layer_class = StaticDraftLayer if static else DraftLayer
+
+        def make_layer(idx: int) -> DraftLayer:
+            return layer_class(selection, window_length, slack, layer_idx=idx)
+
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = [
             _make_cache_layer(idx, layer_type, kwargs, make_layer, config.model_type)
@@ -214,6 +105,22 @@ class SparseDraftCache(Cache):
             if isinstance(layer, StaticDraftLayer):
                 layer.note_length(length)
 
+    def can_skip(self) -> bool:
+        """Whether `skip` applies: every layer is a draft layer whose selection allows it (a sink); a model's own
+        sliding layers keep theirs."""
+        return self.selection.can_skip and all(isinstance(layer, DraftLayer) for layer in self.layers)
+
+    def skip(self, count: int) -> None:
+        """Advance every layer over `count` positions nothing will read: a draft head catching up on a long block
+        only needs the sink and the last `window_length` positions' keys (a position's keys depend only on its own
+        inputs), so it feeds those and skips the rest."""
+        if not self.can_skip():
+            raise ValueError(
+                "skip() needs every cache layer to be a sink + window layer; this model keeps its own sliding layers"
+            )
+        for layer in self.layers:
+            layer.skip(count)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens from every layer (exact within the slack, else raises)."""
         for idx, layer in enumerate(self.layers):
@@ -226,15 +133,91 @@ class SparseDraftCache(Cache):
                 )
         super().crop(tokens_to_remove)
 
+    @property
+    def is_linear(self) -> list[bool]:
+        """Whether each layer holds a linear-attention state only (no keys), as transformers >= 5.24 decides it: a
+        `"hybrid"` layer (`with_linear_state`) holds keys too. Transformers 5.23 exempts only its own
+        `LinearAttentionAndFullAttentionLayer`, so it took ours for a linear layer, found no full-attention layer and
+        sized the full-attention mask by layer 0 (Inkling's sliding layer)."""
+        return [
+            isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
+            for layer in self.layers
+        ]
+
     def nbytes(self) -> int:
         """Bytes held by this cache's buffers (keys and values of every layer, convolution states)."""
         return cache_nbytes(self)
 
 
+class SinkWindowCache(SparseDraftCache):
+    """Draft cache with an attention sink and a sliding window (Windowed-MTP, arXiv 2607.21535: S = 64, W = 4032).
+
+    A query at logical length `L` reads positions `[0, min(S, L))` and `[max(S, L - W), L)`, plus the tokens of its
+    own forward, so memory and per-step cost are constant in context length.
+
+    Args:
+        config (`PreTrainedConfig`): the config of the model that will run on this cache.
+        num_sink_tokens (`int`, defaults to 64): first tokens always kept (attention sink), S.
+        window_length (`int`, defaults to 1024): most recent past tokens kept, W.
+        slack (`int`, defaults to 32): extra ring slots; the longest draft round that can be rolled back.
+        static (`bool`, defaults to `False`): fixed-shape steps (see `SparseDraftCache`).
+
+    Example:
+        >>> cache = SinkWindowCache(config=drafter.config, num_sink_tokens=4, window_length=48)
+        >>> drafter(input_ids, cache=cache)
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        num_sink_tokens: int = 64,
+        window_length: int = 1024,
+        slack: int = 32,
+        static: bool = False,
+    ):
+        self.num_sink_tokens = num_sink_tokens
+        super().__init__(config, SinkSelection(num_sink_tokens), window_length, slack, static)
+
+
+class BudgetedCache(SparseDraftCache):
+    """Draft cache keeping at most `budget` prefix tokens per layer and KV head, chosen by `policy` (BudgetDraft,
+    arXiv 2606.00144, §3.1), + the `window_length` tokens after the prefill. The prefill attends to the whole prompt;
+    every later query reads `selected prefix + window + own block`.
+
+    Args:
+        config (`PreTrainedConfig`): the config of the model that will run on this cache.
+        budget (`int`, defaults to 512): prefix tokens kept per layer and KV head, B.
+        policy (`str` or `KeepPolicy`, defaults to `"chunk"`): `"chunk"` (BudgetDraft/TriForce), `"streaming"`,
+            `"snapkv"`, or a `KeepPolicy` instance.
+        window_length (`int`, defaults to 256): tokens after the prefill kept in the recent window.
+        slack (`int`, defaults to 32): the longest draft round that can be rolled back.
+        policy_kwargs (`dict`, *optional*): hyper-parameters of a named policy (e.g. `{"chunk_size": 16}`).
+        static (`bool`, defaults to `False`): fixed-shape steps (see `SparseDraftCache`).
+
+    Example:
+        >>> cache = BudgetedCache(config=drafter.config, budget=64, policy="chunk")
+        >>> drafter(prompt_ids, cache=cache)
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        budget: int = 512,
+        policy: str | KeepPolicy = "chunk",
+        window_length: int = 256,
+        slack: int = 32,
+        policy_kwargs: dict | None = None,
+        static: bool = False,
+    ):
+        selection = BudgetSelection(budget, policy, policy_kwargs)
+        self.budget, self.policy = budget, selection.policy
+        super().__init__(config, selection, window_length, slack, static)
+
+
 def _log_what_is_not_sparsified(
     cache_name: str, model_type: str, layer_types: list[str], layers: list
 ) -> None:
-    if not any(isinstance(layer, (SparseDraftLayer, StaticDraftLayer)) for layer in layers):
+    if not any(isinstance(layer, DraftLayer) for layer in layers):
         logger.warning_once(
             f"{cache_name}: {model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}), so "
             "nothing is sparsified: the draft runs on the model's own cache, as stock assisted generation does"
@@ -261,7 +244,7 @@ def _make_cache_layer(idx: int, layer_type: str, kwargs: dict, make_layer: Calla
     )
 
 
-def with_linear_state(layer: SparseDraftLayer | StaticDraftLayer, number_of_states: int = 1):
+def with_linear_state(layer: DraftLayer, number_of_states: int = 1):
     """`layer` (a sparse attention layer) that also holds transformers' convolution state, as a `"hybrid"` layer
     type needs (attention and a short convolution in one decoder layer): the attention part is sparsified, the
     convolution state is kept and rolled back by `LinearAttentionLayer`'s own code, as in transformers'
@@ -299,18 +282,3 @@ def _hybrid_class(attention_class: type) -> type:
     # attention-side behaviour; `LinearAttentionLayer` adds the convolution-state methods
     bases = (attention_class, LinearAttentionLayer)
     return type(f"{attention_class.__name__}WithLinearState", bases, members)
-
-
-def cache_nbytes(cache: Cache) -> int:
-    """Bytes of keys/values (and convolution/recurrent states) stored by any transformers `Cache` (preallocated
-    layers count their buffers)."""
-    total = 0
-    for layer in cache.layers:
-        if hasattr(layer, "nbytes"):  # sparse draft and growable layers: their preallocated buffers
-            total += layer.nbytes()
-        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-            total += layer.keys.numel() * layer.keys.element_size() * 2
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
-            total += sum(state.numel() * state.element_size() for state in states if state is not None)
-    return total

@@ -1,0 +1,87 @@
+"""Selections: which past tokens a sparse draft keeps besides its recent window.
+
+A draft cache layer is `[S static slots | W + slack ring slots]` (`slot_layout.py`). The ring always holds the most
+recent tokens; a *selection* decides, at the prefill (a layer's first update), which prompt positions fill the static
+slots and where the ring starts. Every storage (`draft_layer.py`, `static_draft_layer.py`, `ragged_draft.py`) runs any
+selection, so a new selection is one class here.
+
+- `SinkSelection` (Windowed-MTP, arXiv 2607.21535): the first `S` positions (an attention sink); the ring starts
+  at `S`, so positions written later below `S` fill the rest of the sink.
+- `BudgetSelection` (BudgetDraft, arXiv 2606.00144, §3.1): per KV head, at most `budget` prompt positions chosen
+  by a `KeepPolicy`; the ring starts after the prompt, and no rollback goes back into it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .policies import KeepPolicy, get_policy
+from .sizes import check_size
+
+
+class Selection:
+    """What a storage asks of a selection; subclasses set `static_capacity` and implement `select`."""
+
+    static_capacity: int = 0
+    uses_queries = False  # whether `select` may need the prefill queries
+    can_skip = False  # whether positions past the static ones may be skipped (never stored)
+
+    def ring_start(self, prompt_length: int) -> int:
+        """First position the ring holds after a prefill of `prompt_length` tokens."""
+        raise NotImplementedError
+
+    def floor(self, prompt_length: int) -> int:
+        """The shortest length a rollback may return to after that prefill."""
+        return 0
+
+    def needs_queries(self, prompt_length: int) -> bool:
+        """Whether `select` needs the prefill queries for a prompt of this length."""
+        return False
+
+    def select(self, keys: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+        """`(B, H, n)` long, ascending: the positions of the prefill keys `(B, H, L, D)` the static slots keep,
+        `n <= static_capacity` (queries `(B, H_q, L, D)` when `needs_queries`)."""
+        raise NotImplementedError
+
+
+class SinkSelection(Selection):
+    """The first `num_sink_tokens` positions, whatever the prompt (Windowed-MTP's attention sink)."""
+
+    can_skip = True
+
+    def __init__(self, num_sink_tokens: int):
+        check_size("num_sink_tokens", num_sink_tokens, 0)
+        self.num_sink_tokens = self.static_capacity = num_sink_tokens
+
+    def ring_start(self, prompt_length: int) -> int:
+        return self.num_sink_tokens
+
+    def select(self, keys: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+        kept = torch.arange(min(self.num_sink_tokens, keys.shape[-2]), device=keys.device)
+        return kept.expand(*keys.shape[:2], -1)
+
+
+class BudgetSelection(Selection):
+    """At most `budget` prompt positions per KV head, chosen by `policy` (`"chunk"`, `"streaming"`, `"snapkv"` or a
+    `KeepPolicy`); a prompt no longer than the budget is kept whole."""
+
+    def __init__(self, budget: int, policy: str | KeepPolicy = "chunk", policy_kwargs: dict | None = None):
+        check_size("budget", budget, 1)
+        self.policy = get_policy(policy, **(policy_kwargs or {}))
+        self.policy.validate_budget(budget)
+        self.budget = self.static_capacity = budget
+        self.uses_queries = self.policy.needs_queries
+
+    def ring_start(self, prompt_length: int) -> int:
+        return prompt_length
+
+    def floor(self, prompt_length: int) -> int:
+        return prompt_length
+
+    def needs_queries(self, prompt_length: int) -> bool:
+        return self.uses_queries and prompt_length > self.budget
+
+    def select(self, keys: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
+        if queries is not None:
+            queries = queries[:, :, -self.policy.query_window :]
+        return self.policy.select(keys, self.budget, queries)
