@@ -27,8 +27,8 @@ from hf_budgetdraft.app import AppArguments
 from hf_budgetdraft.app.app import build_app, launch_app
 from hf_budgetdraft.app.backend import RunRequest
 from hf_budgetdraft.app.backend.prompts import build_prompt
-from hf_budgetdraft.eval.timing import timed_generate
 from hf_budgetdraft.generation.spec import DraftSpec
+from hf_budgetdraft.runs.timed_call import timed_generate
 
 # the module, not the function of the same name the package exports
 compare_module = importlib.import_module("hf_budgetdraft.app.backend.compare")

@@ -31,7 +31,8 @@ import torch
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
-from hf_budgetdraft.eval.batched_bench import BATCH_METHODS, batched_grid, grid_markdown, summarise_grid
+from hf_budgetdraft.eval.batched_bench import batched_grid, grid_markdown, summarise_grid
+from hf_budgetdraft.runs.batch_call import BATCH_METHODS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

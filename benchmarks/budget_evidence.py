@@ -49,9 +49,10 @@ import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft import BudgetedCache
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
+from hf_budgetdraft.demo.tasks import NEEDLE, passkey_sample
 from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, retrieval_probe
-from hf_budgetdraft.eval.metrics import bootstrap_ci, wilson_interval
-from hf_budgetdraft.eval.tasks import NEEDLE, passkey_sample
+from hf_budgetdraft.eval.metrics import bootstrap_ci
+from hf_budgetdraft.runs.intervals import wilson_interval
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

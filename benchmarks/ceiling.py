@@ -38,7 +38,7 @@ from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.eval.batched_bench import number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted
 from hf_budgetdraft.eval.speedup_model import alpha_needed, expected_speedup, survival
-from hf_budgetdraft.eval.timing import ar_setup
+from hf_budgetdraft.runs.timed_call import ar_setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_default import RESULTS, passage_offsets, texts  # noqa: E402

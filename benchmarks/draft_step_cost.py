@@ -26,7 +26,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes, draft_step_compile_config
-from hf_budgetdraft.eval.random_models import random_llama_config
+from hf_budgetdraft.demo.random_models import random_llama_config
 
 
 def make_caches(config, static_config, args) -> dict:

@@ -6,7 +6,7 @@ write each folder's model card.
         --commands scripts/demo_commands.json --threads 2
 
 Measured on the bundled (bf16-stored, fp32-loaded) weights: passkey retrieval at several lengths with the needle at
-random depth (`hf_budgetdraft.eval.tasks.passkey_sample`, classic filler), eval-split perplexity with 2K, 4K, 8K and
+random depth (`hf_budgetdraft.demo.tasks.passkey_sample`, classic filler), eval-split perplexity with 2K, 4K, 8K and
 16K-token windows over the same tokens, and each drafter's top-1 agreement with the target on eval text and on the
 target's own greedy continuation of it (the text a greedy call drafts), and its expected sampling acceptance
 `E[sum_x min(p(x), q(x))]` at temperatures 0.8 and 1.0 on the target's own sampled continuation (the text a

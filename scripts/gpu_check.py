@@ -42,9 +42,9 @@ from transformers import CompileConfig
 import hf_budgetdraft
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.attention import varlen
-from hf_budgetdraft.eval.greedy_diff import divergence_margin, noise_envelope, token_diff
-from hf_budgetdraft.eval.random_models import smoke_pair
+from hf_budgetdraft.demo.random_models import smoke_pair
 from hf_budgetdraft.generation.draft_length.clock import synchronize
+from hf_budgetdraft.runs.token_diff import divergence_margin, noise_envelope, token_diff
 from hf_budgetdraft.trainer.losses import budgetdraft_loss, hard_distillation_loss
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
 

@@ -35,7 +35,7 @@ from hf_budgetdraft.attention.fast_sdpa import NAME as FAST_SDPA
 from hf_budgetdraft.attention.scoped import using_attention
 from hf_budgetdraft.attention.varlen import NAME as VARLEN
 from hf_budgetdraft.cache import GrowableCache
-from hf_budgetdraft.eval.timing import timed_generate
+from hf_budgetdraft.runs.timed_call import timed_generate
 
 GPU = dict(
     contexts=[8192, 16384, 32768],

@@ -18,7 +18,7 @@ from transformers import CompileConfig
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
-from hf_budgetdraft.eval.greedy_diff import divergence_margin, token_diff
+from hf_budgetdraft.runs.token_diff import divergence_margin, token_diff
 
 FP32_MARGIN = 1e-3  # fp32: a γ+1-token verification may round differently from a one-token step
 BF16_MARGIN = 0.25  # bf16: the largest |target margin| at a first divergence counted as a near-tie

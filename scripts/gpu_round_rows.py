@@ -17,13 +17,13 @@ from transformers import CompileConfig
 
 import hf_budgetdraft
 from hf_budgetdraft import record_speculation
-from hf_budgetdraft.eval.greedy_diff import divergence_margin, tie_tolerance
 from hf_budgetdraft.eval.replay import ReplayedAcceptance, divergence
-from hf_budgetdraft.eval.timing import configure_drafter
 from hf_budgetdraft.generation.device_loop import DeviceRound
 from hf_budgetdraft.generation.draft_length.clock import synchronize
 from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.static_verify import StaticVerify
+from hf_budgetdraft.runs.timed_call import configure_drafter
+from hf_budgetdraft.runs.token_diff import divergence_margin, tie_tolerance
 
 MAX_REANCHORS = 3  # re-anchorings of the reference per row and trace before the row is reported diverged
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
 
-from hf_budgetdraft.eval.tasks import passkey_sample
+from hf_budgetdraft.demo.tasks import passkey_sample
 
 # GLM-4's MTP layer is an MoE layer (transformers' MTP config sets first_k_dense_replace=0): a small one here
 # (~1M parameters with its attention and projection) instead of the 128 x 1408 default (175M); the main layers are

@@ -41,8 +41,8 @@ from hf_budgetdraft.app.backend import (  # noqa: E402
     token_origins,
 )
 from hf_budgetdraft.app.render import acceptance_figure, verdict_markdown  # noqa: E402
-from hf_budgetdraft.eval.random_models import smoke_pair, tiny_llama_config  # noqa: E402
-from hf_budgetdraft.eval.tasks import TASKS  # noqa: E402
+from hf_budgetdraft.demo.random_models import smoke_pair, tiny_llama_config  # noqa: E402
+from hf_budgetdraft.demo.tasks import TASKS  # noqa: E402
 
 LIMITS = AppArguments(max_context_length=1024, max_new_tokens=64, max_gamma=8, threads=1)
 

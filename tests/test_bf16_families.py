@@ -8,7 +8,7 @@ import torch
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
 
 from hf_budgetdraft import record_speculation
-from hf_budgetdraft.eval.greedy_diff import divergence_margin, tie_tolerance, token_diff
+from hf_budgetdraft.runs.token_diff import divergence_margin, tie_tolerance, token_diff
 
 NEW_TOKENS = 24
 CACHE_CONFIGS = {

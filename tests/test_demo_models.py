@@ -14,7 +14,7 @@ import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.models import DEMO_DIR
-from hf_budgetdraft.eval.tasks import passkey_sample
+from hf_budgetdraft.demo.tasks import passkey_sample
 
 PASSKEY_PROMPTS, PASSKEY_HITS = 8, 7
 

@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from hf_budgetdraft.eval.greedy_diff import TokenDiff, divergence_margin, noise_envelope, token_diff
-from hf_budgetdraft.eval.metrics import (
-    acceptance_intervals,
-    bootstrap_ci,
-    fit_line,
-    fit_round_time,
-    paired_speedup,
-    wilson_interval,
-)
+from hf_budgetdraft.eval.metrics import bootstrap_ci, fit_line, fit_round_time, paired_speedup
+from hf_budgetdraft.runs.intervals import acceptance_intervals, wilson_interval
+from hf_budgetdraft.runs.token_diff import TokenDiff, divergence_margin, noise_envelope, token_diff
 
 
 def test_wilson_matches_published_values():
@@ -156,7 +150,7 @@ def test_noise_envelope_rows():
 
 
 def test_divergence_margin_is_the_targets_logit_gap():
-    from hf_budgetdraft.eval.random_models import smoke_pair
+    from hf_budgetdraft.demo.random_models import smoke_pair
 
     target, _ = smoke_pair(max_position_embeddings=128)
     prompt = torch.randint(0, 2048, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -8,14 +8,14 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_budgetdraft.demo.corpus import Document, load_documents, stdlib_documents
-from hf_budgetdraft.eval.bench_models import TOKENIZER_DIR
-from hf_budgetdraft.eval.tasks import (
+from hf_budgetdraft.demo.tasks import (
     build_sample,
     code_completion_sample,
     continuation_sample,
     needle_outside_window_sample,
     passkey_sample,
 )
+from hf_budgetdraft.eval.bench_models import TOKENIZER_DIR
 
 NEW = 16
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from hf_budgetdraft.demo import tasks
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.models import DEMO_DIR
-from hf_budgetdraft.eval import tasks
 from hf_budgetdraft.eval.far_context import (
     RETRIEVAL_FORMATS,
     InductionOracle,

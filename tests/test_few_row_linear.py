@@ -17,7 +17,7 @@ from hf_budgetdraft.cpu.few_row_linear import (
     few_row_linears,
     runs_few_row,
 )
-from hf_budgetdraft.eval.timing import ar_setup
+from hf_budgetdraft.runs.timed_call import ar_setup
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from hf_budgetdraft.commands.generate import chat_ids
 from hf_budgetdraft.demo.models import DEMO_DIR
-from hf_budgetdraft.eval.greedy_diff import tie_tolerance
 from hf_budgetdraft.loading import LoadFlags, check_device, load_model
+from hf_budgetdraft.runs.token_diff import tie_tolerance
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -1,6 +1,6 @@
 """`hf-budgetdraft generate`: speculative generation with a sparse draft cache, checked token for token against
 the target's own greedy output and timed against two plain-AR baselines (the target as loaded, and the package's
-fast AR) with `hf_budgetdraft.eval.timing.timed_generate`. Several prompts (`--prompt_files`, `--batch_size`) run
+fast AR) with `hf_budgetdraft.runs.timed_call.timed_generate`. Several prompts (`--prompt_files`, `--batch_size`) run
 as one left-padded batch: batched AR, then the batched one-liner, per-row greedy diffs."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from transformers import TextStreamer
 
 from ..cache.sizes import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
-from ..eval.greedy_diff import divergence_margin, tie_tolerance, token_diff
-from ..eval.random_models import random_pair
-from ..eval.timing import RunResult, ar_setup, configure_drafter, timed_generate
+from ..demo.random_models import random_pair
 from ..generation.spec import DraftSpec
 from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
+from ..runs.timed_call import RunResult, ar_setup, configure_drafter, timed_generate
+from ..runs.token_diff import divergence_margin, tie_tolerance, token_diff
 
 FULL_CACHE_GAMMA = 5  # --cache full: stock assisted generation drafts this many tokens a round
 # a greedy divergence is a near-tie when the target's own top-2 gap is within this many units in the last place of
@@ -417,7 +417,7 @@ def _report_greedy_diff(target, ids: torch.LongTensor, reference: torch.Tensor, 
 
 def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text."""
-    from ..eval.batched_bench import left_pad, ragged_batch
+    from ..runs.batch_call import left_pad, ragged_batch
 
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     if args.prompt_files:
@@ -441,7 +441,7 @@ def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[tor
 
 def _generate_batch(args: GenerateArguments, target, drafter, tokenizer) -> int:
     """The batched main job: batched AR on the fast target, then the batched one-liner; per-row greedy diffs."""
-    from ..eval.batched_bench import run_batch
+    from ..runs.batch_call import run_batch
 
     ids, mask = _batch_ids(args, tokenizer, target.config.vocab_size)
     spec = args.draft_spec()

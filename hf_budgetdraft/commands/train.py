@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..eval.random_models import random_pair
+from ..demo.random_models import random_pair
 from ..loading import LoadFlags, load_model, load_tokenizer, revision_field, trust_remote_code_field
 from ..trainer.config import BudgetDraftConfig
 

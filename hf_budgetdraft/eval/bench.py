@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from ..demo.corpus import Document
+from ..demo.tasks import TaskSample, build_sample
 from ..quiet import quiet_transformers
+from ..runs.timed_call import AR_SETUPS, RunResult
 from .bench_args import BenchArguments
 from .bench_models import BenchModels, load_corpus, load_models
 from .records import bench_metadata, envelope_rows, load_average, make_records
 from .runners import MethodSpec, run_method, sparse_cache_config
-from .tasks import TaskSample, build_sample
-from .timing import AR_SETUPS, RunResult
 
 
 @dataclass

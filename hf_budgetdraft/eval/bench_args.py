@@ -19,8 +19,8 @@ import torch
 
 from ..cache.policies import POLICIES
 from ..cache.sizes import MAX_CACHE_TOKENS
+from ..demo.tasks import TASKS
 from ..loading import check_device, revision_field, trust_remote_code_field
-from .tasks import TASKS
 
 BENCH_METHODS = (
     "oneliner",

@@ -39,7 +39,7 @@ def bundled_tokenizer():
 
 def smoke_models(args: BenchArguments, mtp_dir: str | None) -> BenchModels:
     """The smoke preset's tiny pair (+ a tiny MTP model saved under `mtp_dir` when MTP is benchmarked)."""
-    from .random_models import smoke_mtp_model, smoke_pair
+    from ..demo.random_models import smoke_mtp_model, smoke_pair
 
     positions = max(args.contexts) + args.new_tokens + MAX_GAMMA + 8
     target, drafter = smoke_pair(seed=args.seed, max_position_embeddings=positions)

@@ -8,7 +8,7 @@ at every scored position):
 - **retrieval** (`retrieval_probe`): a fact stated once, `distance` tokens of filler, then a question whose answer
   prefix echoes the fact. Score: 1 if every answer token is the target's argmax, else 0. The formats
   (`RETRIEVAL_FORMATS`: a code worded otherwise than the trained passkey, a person's name, a number inside prose)
-  are never the passkey format the bundled targets train on (`eval/tasks.py`'s `NEEDLE`), so a target that scores
+  are never the passkey format the bundled targets train on (`demo/tasks.py`'s `NEEDLE`), so a target that scores
   here retrieves, rather than recognising one trained format.
 
 An induction oracle (copy the token that followed the longest earlier match of the current suffix) scores 100% on

@@ -11,11 +11,11 @@ from dataclasses import asdict
 
 import torch
 
+from ..runs.timed_call import AR_SETUPS, RunResult
+from ..runs.token_diff import divergence_margin, noise_envelope, token_diff
 from .bench_args import BenchArguments
 from .bench_models import BenchModels
-from .greedy_diff import divergence_margin, noise_envelope, token_diff
 from .runners import MethodSpec
-from .timing import AR_SETUPS, RunResult
 
 # a record's per-round lists (results.json holds them, results.csv leaves them out)
 PER_ROUND_FIELDS = (

@@ -13,7 +13,7 @@
 | `mtp`, cache `full` / `sink_window`       | `generate(use_mtp=True)`: native MTP vs Windowed-MTP (arXiv 2607.21535)       |
 
 Every run decodes exactly `new_tokens` new tokens, greedily unless `sampling` is given, and is timed by
-`hf_budgetdraft.eval.timing.timed_generate` (the same call the `generate` command and the app time): the generated
+`hf_budgetdraft.runs.timed_call.timed_generate` (the same call the `generate` command and the app time): the generated
 tokens, the wall time and the time to the first emitted tokens, the per-round draft/verify times, the draft-side
 and target-side KV-cache bytes, the peak RSS and, on CUDA, the peak allocated memory.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.spec import DraftSpec
-from .timing import AR_SETUPS, RunResult, ar_setup, configure_drafter, timed_generate
+from ..runs.timed_call import AR_SETUPS, RunResult, ar_setup, configure_drafter, timed_generate
 
 METHODS = ("ar", "assisted", "prompt_lookup", "mtp")
 DRAFT_CACHES = ("none", "full", "sink_window", "budgeted")
@@ -176,7 +176,7 @@ def run_ar(
     `setup="stock"` runs it with transformers' own `sdpa` attention (whatever the target was set to, restored
     after); `setup="growable"` on a `GrowableCache` sized for the call (in-place appends); `setup="fast"` both the
     package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has); see
-    `hf_budgetdraft.eval.timing.ar_setup`."""
+    `hf_budgetdraft.runs.timed_call.ar_setup`."""
     with ar_setup(target, setup, input_ids.shape[1] + new_tokens) as kwargs:
         return timed_generate(target, input_ids, new_tokens, sampling=sampling, **kwargs)
 

@@ -15,7 +15,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from .metrics import acceptance_intervals, bootstrap_ci, fit_round_time, wilson_interval
+from ..runs.intervals import acceptance_intervals, wilson_interval
+from .metrics import bootstrap_ci, fit_round_time
 
 CELL_KEYS = (
     "target",

@@ -1,10 +1,10 @@
 """What the demo app runs, without any Gradio: the visitor's request, the models, the prompt, and the two streamed
 generations it compares.
 
-Everything here calls the library: the prompts come from `hf_budgetdraft.eval.tasks`, the generations are plain
+Everything here calls the library: the prompts come from `hf_budgetdraft.demo.tasks`, the generations are plain
 `generate()` calls with the public `cache_implementation` / `cache_config` / `assistant_model` / `use_mtp` API, the
 numbers from `record_speculation()` and `cache_nbytes`, and the losslessness check from
-`hf_budgetdraft.eval.greedy_diff`. The app adds only input checks, streaming and bookkeeping for display.
+`hf_budgetdraft.runs.token_diff`. The app adds only input checks, streaming and bookkeeping for display.
 
 - `request`: the page's options and `RunRequest.check` (`DemoInputError` for a bad input);
 - `store`: `ModelStore`, each model choice loaded once (local folders checked first);

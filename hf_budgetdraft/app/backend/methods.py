@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ...eval.timing import configure_drafter
 from ...generation.spec import DraftSpec
+from ...runs.timed_call import configure_drafter
 from .request import DEFAULT_SPEC, METHOD_LABELS, MTP_METHODS, DemoInputError, RunRequest
 from .store import ModelPair
 

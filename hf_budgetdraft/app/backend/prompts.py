@@ -1,4 +1,4 @@
-"""The prompt of a run: a built-in task (`hf_budgetdraft.eval.tasks.build_sample` on the demo corpus) or the
+"""The prompt of a run: a built-in task (`hf_budgetdraft.demo.tasks.build_sample` on the demo corpus) or the
 visitor's pasted or uploaded text, cut to the requested context length."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ...demo.corpus import Document
-from ...eval.tasks import build_sample
+from ...demo.tasks import build_sample
 from ..config import AppArguments
 from .request import SOURCE_LABELS, UPLOAD_SUFFIXES, DemoInputError, RunRequest
 from .store import ModelPair
@@ -59,7 +59,7 @@ def build_prompt(
     limits: AppArguments,
     documents: Callable[[], tuple[list[Document], str]],
 ) -> Prompt:
-    """The prompt of `request` (a built-in task through `eval.tasks.build_sample`, or the visitor's text).
+    """The prompt of `request` (a built-in task through `demo.tasks.build_sample`, or the visitor's text).
     `documents` returns the built-in corpus and its name (`ModelStore.builtin_documents`); only the document and
     code tasks call it."""
     if request.source == "text":

@@ -17,7 +17,7 @@ from ... import demo as demo_package
 from ...demo.corpus import Document
 from ...demo.documents import demo_documents
 from ...demo.models import DEMO_DIR
-from ...eval.random_models import smoke_mtp_model, smoke_pair
+from ...demo.random_models import smoke_mtp_model, smoke_pair
 from ...generation.mtp_heads import expose_mtp_layers
 from ...loading import LoadFlags, load_model
 from ...quiet import quiet_transformers

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ...eval.timing import timed_generate
 from ...generation.stats import SpeculationStats
 from ...quiet import quiet_transformers
+from ...runs.timed_call import timed_generate
 
 _GENERATE_LOCK = threading.Lock()  # one generate() at a time in this process, whatever the web server does
 DRAIN_SECONDS = 0.1  # how often the page's thread reads the streamed tokens

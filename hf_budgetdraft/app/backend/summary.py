@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from ...eval.greedy_diff import divergence_margin, token_diff
-from ...eval.metrics import acceptance_intervals
 from ...generation.stats import SpeculationStats
+from ...runs.intervals import acceptance_intervals
+from ...runs.token_diff import divergence_margin, token_diff
 from .methods import method_title
 from .prompts import Prompt
 from .request import MTP_METHODS, RunRequest

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..demo.corpus import Document
+from .corpus import Document
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
