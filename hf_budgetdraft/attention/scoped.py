@@ -26,7 +26,6 @@ from transformers import PreTrainedConfig
 # id(config) -> the attention implementation that config runs in this context (a new dict per scope, never mutated)
 _OVERRIDES: ContextVar[dict[int, str] | None] = ContextVar("budgetdraft_attention", default=None)
 _install_lock = threading.Lock()
-_loaded_property: property | None = None
 
 
 @torch._dynamo.assume_constant_result
@@ -35,35 +34,38 @@ def _traced_override(config_id: int) -> str | None:
     return None if overrides is None else overrides.get(config_id)
 
 
-def _scoped_attn_implementation(config: PreTrainedConfig):
-    if torch.compiler.is_compiling():
-        name = _traced_override(id(config))
-    else:
-        overrides = _OVERRIDES.get()
-        name = None if overrides is None else overrides.get(id(config))
-    return _loaded_property.fget(config) if name is None else name
+class ScopedAttnImplementation(property):
+    """`PreTrainedConfig._attn_implementation` while installed: the current scope's override first, else what the
+    property it replaced (`replaced`, put back by `uninstall`) says. Its getter is a plain function, which
+    `torch.compile` inlines."""
+
+    def __init__(self, replaced: property):
+        def scoped_attn_implementation(config: PreTrainedConfig):
+            if torch.compiler.is_compiling():
+                name = _traced_override(id(config))
+            else:
+                overrides = _OVERRIDES.get()
+                name = None if overrides is None else overrides.get(id(config))
+            return replaced.fget(config) if name is None else name
+
+        super().__init__(scoped_attn_implementation, replaced.fset, replaced.fdel, replaced.__doc__)
+        self.replaced = replaced
 
 
 def install() -> None:
     """Wrap `PreTrainedConfig._attn_implementation` so that it reads the current scope first (idempotent)."""
-    global _loaded_property
     with _install_lock:
-        if _loaded_property is not None:
-            return
-        loaded = PreTrainedConfig.__dict__["_attn_implementation"]
-        _loaded_property = loaded
-        PreTrainedConfig._attn_implementation = property(
-            _scoped_attn_implementation, loaded.fset, loaded.fdel, loaded.__doc__
-        )
+        current = PreTrainedConfig.__dict__["_attn_implementation"]
+        if not isinstance(current, ScopedAttnImplementation):
+            PreTrainedConfig._attn_implementation = ScopedAttnImplementation(current)
 
 
 def uninstall() -> None:
     """Put transformers' own `PreTrainedConfig._attn_implementation` back (the next scope wraps it again)."""
-    global _loaded_property
     with _install_lock:
-        if _loaded_property is not None:
-            PreTrainedConfig._attn_implementation = _loaded_property
-            _loaded_property = None
+        current = PreTrainedConfig.__dict__["_attn_implementation"]
+        if isinstance(current, ScopedAttnImplementation):
+            PreTrainedConfig._attn_implementation = current.replaced
 
 
 def model_configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
