@@ -15,8 +15,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 installed="$("$venv/bin/python" -c 'import transformers; print(transformers.__version__)')"
 [ "$installed" = "$version" ] || { echo "expected transformers $version in $venv, found $installed" >&2; exit 1; }
-tests=(tests/test_compat.py tests/test_family_matrix.py tests/test_generate_equivalence.py tests/test_batched.py
-  tests/test_sampling.py tests/test_windowed_mtp.py tests/test_concurrent_calls.py)
+tests=(tests/test_compat.py tests/test_family_matrix.py tests/test_generate_equivalence.py tests/test_concurrent_calls.py
+  tests/generation/test_batched.py tests/generation/test_sampling.py tests/generation/test_windowed_mtp.py
+  tests/cache/test_cache_contract.py)
 if [ "$#" -gt 0 ]; then tests=("$@"); fi
 echo "transformers $installed: ${tests[*]}"
 "$venv/bin/python" -m pytest -q "${tests[@]}"

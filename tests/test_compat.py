@@ -4,6 +4,7 @@ tested release), and a transformers whose patch points moved gets a clear refusa
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -52,8 +53,6 @@ def test_a_changed_signature_is_named(monkeypatch):
 
 
 _CHANGED_TRANSFORMERS = """
-import sys
-sys.path.insert(0, {tests!r})
 import torch
 from transformers.generation.utils import GenerationMixin
 
@@ -76,9 +75,16 @@ except RuntimeError as error:
 
 
 def test_a_transformers_with_moved_patch_points_refuses_speculative_calls_only():
-    script = _CHANGED_TRANSFORMERS.format(tests=str(Path(__file__).parent))
+    tests = str(Path(__file__).parent)  # where tiny_models lives
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", textwrap.dedent(_CHANGED_TRANSFORMERS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+        },
     )
     assert result.returncode == 0, result.stderr[-2000:]
     refused = result.stdout.strip().splitlines()[-1]

@@ -3,7 +3,7 @@ side on the right, streamed token by token and coloured by where each token came
 greedy-diff verdict and the acceptance-per-position plot below them.
 
 `build_app()` only lays out components and wires the event functions of this module, which are plain functions
-of the component values (tested directly in `tests/test_app.py`); the work happens in `backend.compare`.
+of the component values (tested directly in `tests/app/test_app.py`); the work happens in `backend.compare`.
 """
 
 from __future__ import annotations

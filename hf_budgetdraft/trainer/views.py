@@ -16,7 +16,7 @@ BudgetDraft, arXiv 2606.00144, §3.2. Per training step:
 
 Cache buffers are stored detached, so gradients flow through the continuation's own keys/values (the block the
 layer returns), not into the shared prefix — as in the paper, the prefix is run without gradient.
-`tests/test_trainer_views.py` proves view logits == step-by-step inference logits for every policy.
+`tests/trainer/test_trainer_views.py` proves view logits == step-by-step inference logits for every policy.
 """
 
 from __future__ import annotations

@@ -4,16 +4,13 @@ drafter and cache, and a target read as its own drafter on a full cache agrees w
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import torch
+from repo_paths import REPO as ROOT
+from train_target import target_config
 from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from train_target import target_config  # noqa: E402
-
-from hf_budgetdraft.demo.models import DEMO_DIR  # noqa: E402
+from hf_budgetdraft.demo.models import DEMO_DIR
 
 
 def load_benchmark():

@@ -5,18 +5,15 @@ and a training smoke that saves shards the device tool can bring back."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
+import far_target_data as data
 import pytest
 import torch
+from repo_paths import SCRIPTS
 from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import far_target_data as data  # noqa: E402
-
-from hf_budgetdraft.demo.documents import DEMO_TEXT  # noqa: E402
-from hf_budgetdraft.demo.models import DEMO_DIR  # noqa: E402
+from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.demo.models import DEMO_DIR
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ write, and that its checks can fail (a failing section is recorded and turns the
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import SCRIPTS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+SCRIPT = SCRIPTS / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")

@@ -2,30 +2,22 @@
 text, checked by content (the script's paragraph filter on synthetic text, and the manifest it wrote for the
 bundled drafters, `tests/data/prose_manifest.json`, against the licence texts and the held-out play)."""
 
-import importlib.util
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import TEST_DATA
 
 from hf_budgetdraft.demo.documents import DEMO_TEXT, LICENCE_DIR
 
-REPO = Path(__file__).resolve().parents[1]
-MANIFEST = Path(__file__).resolve().parent / "data" / "prose_manifest.json"
+MANIFEST = TEST_DATA / "prose_manifest.json"
 
 
 @pytest.fixture(scope="module")
 def prose():
-    sys.path.insert(0, str(REPO / "scripts"))  # the script imports prepare_corpus from beside it
-    try:
-        spec = importlib.util.spec_from_file_location("prepare_prose", REPO / "scripts" / "prepare_prose.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return module
+    import prepare_prose  # scripts/ is on the tests' path (pyproject's pytest settings)
+
+    return prepare_prose
 
 
 def _words(rng: random.Random, count: int) -> str:

@@ -7,9 +7,10 @@ what ran, and the bundled pair's identity on every path."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_round.py"
+from repo_paths import SCRIPTS
+
+SCRIPT = SCRIPTS / "gpu_round.py"
 
 
 def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):

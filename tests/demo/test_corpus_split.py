@@ -10,13 +10,12 @@ bundled models were trained and measured on is checked by content through the ma
 import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
+from repo_paths import REPO, TEST_DATA
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "prepare_corpus.py"
-MANIFEST = Path(__file__).resolve().parent / "data" / "corpus_manifest.json"
+MANIFEST = TEST_DATA / "corpus_manifest.json"
 EVAL_EVERY = 3  # eval: indices 2, 5, 8, 11
 
 
