@@ -36,7 +36,7 @@ import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.eval.runners import run_assisted
-from hf_budgetdraft.export import export_drafter
+from hf_budgetdraft.export_drafter import export_drafter
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SINK = 64

@@ -3,7 +3,7 @@ checked token-for-token against the target's own greedy output); `train` (Budget
 against a frozen target, see `hf_budgetdraft.trainer`); `bench` (every decoding method on long-context tasks:
 greedy-diff losslessness, acceptance, speed-up, phase costs, memory; see `hf_budgetdraft.eval`); `demo` (the Gradio
 app on 127.0.0.1, see `hf_budgetdraft.app`); `export` (a drafter as a sliding-window HF checkpoint plus the vLLM /
-SGLang command line that serves it, see `hf_budgetdraft.export`)."""
+SGLang command line that serves it, see `hf_budgetdraft.export_drafter`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 from transformers import HfArgumentParser
 
-from .app.config import AppArguments
+from .app.arguments import AppArguments
 from .commands import (
     ExportArguments,
     GenerateArguments,

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from hf_budgetdraft.attention.common import out_layout
+from hf_budgetdraft.attention.function_parts import out_layout
 from hf_budgetdraft.attention.varlen import check_key_valid
 
 

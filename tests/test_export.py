@@ -11,7 +11,7 @@ from hf_budgetdraft import SinkWindowCache
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
-from hf_budgetdraft.export import (
+from hf_budgetdraft.export_drafter import (
     MARKER,
     check_options,
     export_drafter,

@@ -17,7 +17,7 @@ FLOORS = {
     "cpu": 1,
     "generation": 2,
     "integration": 3,
-    "export": 3,
+    "export_drafter": 3,
     "trainer": 3,
     "demo": 4,
     "runs": 5,

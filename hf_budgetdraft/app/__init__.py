@@ -16,7 +16,7 @@ check. The app holds no decoding logic: it calls `generate()` with the library's
 
 from __future__ import annotations
 
-from .config import HOST, AppArguments
+from .arguments import HOST, AppArguments
 
 
 def build_app(*args, **kwargs):

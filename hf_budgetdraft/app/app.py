@@ -17,6 +17,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # offline: no teleme
 
 import gradio as gr  # noqa: E402
 
+from .arguments import HOST, AppArguments  # noqa: E402
 from .backend import (  # noqa: E402
     DEFAULT_MODEL,
     DEFAULT_SPEC,
@@ -35,7 +36,6 @@ from .backend import (  # noqa: E402
     devices,
     model_choices,
 )
-from .config import HOST, AppArguments  # noqa: E402
 from .render import acceptance_figure, stats_markdown, tokens_html, verdict_markdown  # noqa: E402
 
 # the order of the run event's inputs: RunRequest fields, except `decoding` ("greedy" | "sampling")

@@ -34,7 +34,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from .common import (
+from .function_parts import (
     IGNORED_KWARGS,
     eager_fallback,
     grouped_attention,

@@ -26,8 +26,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from .common import family_eager_attention
 from .fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
+from .function_parts import family_eager_attention
 from .scoped import using_attention
 from .varlen import budgetdraft_varlen_attention_forward, budgetdraft_varlen_mask
 

@@ -96,7 +96,7 @@ class SparseDraftCache(Cache):
         ]
         _log_what_is_not_sparsified(type(self).__name__, config.model_type, layer_types, layers)
         super().__init__(layers=layers)
-        self.max_draft_tokens = slack
+        self.slack = slack  # the longest draft round a crop can undo
 
     def note_length(self, length: int) -> None:
         """The caller's exact count of cached tokens, for static layers whose own count is a device tensor that a

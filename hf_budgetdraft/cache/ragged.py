@@ -25,7 +25,7 @@ import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
-from ..attention.common import as_additive
+from ..attention.function_parts import as_additive
 from .sizes import MAX_CACHE_TOKENS
 
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -15,7 +15,7 @@ def bench_command(args: BenchArguments) -> int:
         from ..eval.batched_bench import batched_bench_command
 
         return batched_bench_command(args)
-    from ..eval.bench import run_bench
+    from ..eval.bench_run import run_bench
     from ..eval.report_markdown import console_summary
 
     try:

@@ -3,7 +3,7 @@ are `AppArguments`, the bounds every visitor input is held to."""
 
 from __future__ import annotations
 
-from ..app.config import AppArguments
+from ..app.arguments import AppArguments
 
 
 def demo_command(args: AppArguments) -> int:

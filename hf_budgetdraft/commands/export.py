@@ -1,6 +1,6 @@
 """`hf-budgetdraft export --for vllm|sglang`: a drafter (the bundled BudgetDraft one by default) as a
 sliding-window HF checkpoint a serving engine loads as its draft model, and the engine's command line
-(`hf_budgetdraft.export.export_drafter`)."""
+(`hf_budgetdraft.export_drafter.export_drafter`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..export import DEFAULT_WINDOW, DTYPES, MARKER, check_options, check_output_dir, export_drafter
+from ..export_drafter import DEFAULT_WINDOW, DTYPES, MARKER, check_options, check_output_dir, export_drafter
 from ..loading import LoadFlags, load_model, load_tokenizer, revision_field, trust_remote_code_field
 
 

@@ -14,9 +14,9 @@ faster is it, where does the time go, and how much memory does it save (`hf-budg
   benchmarks and scripts use.
 """
 
-from .bench import BenchResult, run_bench
 from .bench_args import BenchArguments
 from .bench_models import BenchModels
+from .bench_run import BenchResult, run_bench
 from .metrics import LineFit, bootstrap_ci, fit_line, fit_round_time, paired_speedup
 from .runners import MethodSpec, run_method
 

@@ -167,7 +167,7 @@ def batched_bench_command(args) -> int:
     from tqdm.auto import tqdm
 
     from ..quiet import quiet_transformers
-    from .bench import load_corpus, load_models
+    from .bench_run import load_corpus, load_models
 
     torch.set_num_threads(args.threads)
     with quiet_transformers():

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .aggregate import phase_fits, summarize
 from .plots import write_plots
 from .records import PER_ROUND_FIELDS
 from .report_markdown import write_markdown
-from .summary import phase_fits, summarize
 
 REQUIRED_FIELDS = (
     "task",

@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .summary import round_budget_rows
+from .aggregate import round_budget_rows
 
 
 def _fmt(value, digits: int = 2) -> str:

@@ -5,14 +5,14 @@ drafts a block of `block_size` tokens in one forward: every drafter layer append
 accepted context and of the noise block to its `DFlashCache`, the block's queries attend bidirectionally over all of
 them, and the block is cropped away next round. Its full-attention layers read the whole context every round, the
 same draft-KV tax Windowed-MTP (arXiv 2607.21535) removes for MTP heads. `windowed_dflash_cache` builds the
-`WindowedDFlashCache` (`hf_budgetdraft.cache.windowed`) that replaces it from `generate()`'s `cache_config`.
+`WindowedDFlashCache` (`hf_budgetdraft.cache.draft_head_caches`) that replaces it from `generate()`'s `cache_config`.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from ..cache.windowed import WindowedDFlashCache
+from ..cache.draft_head_caches import WindowedDFlashCache
 from ..compat import activate_past_recording
 from .cache_config import WindowedSpec
 

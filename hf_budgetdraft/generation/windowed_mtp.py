@@ -1,7 +1,7 @@
 """Windowed-MTP glue: the model's own MTP head drafts on a sink + window cache (building a head: `mtp_heads.py`).
 
 Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts with `MtpModel` on an `MtpCache`;
-`windowed_mtp_cache` builds the `WindowedMtpCache` (`hf_budgetdraft.cache.windowed`) that replaces it from
+`windowed_mtp_cache` builds the `WindowedMtpCache` (`hf_budgetdraft.cache.draft_head_caches`) that replaces it from
 `generate()`'s `cache_config`.
 
 `cache_config={"static": True}` (with the model loaded with `attn_implementation="budgetdraft_varlen"`) keeps the
@@ -24,7 +24,7 @@ from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.utils import logging
 
 from ..cache.draft_cache import SinkWindowCache
-from ..cache.windowed import WindowedMtpCache
+from ..cache.draft_head_caches import WindowedMtpCache
 from ..compat import activate_past_recording
 from .cache_config import WindowedSpec
 from .draft_length import DraftLength, RoundClock

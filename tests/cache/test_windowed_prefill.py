@@ -8,7 +8,7 @@ from tiny_models import model_pair, random_prompt
 from transformers import DynamicCache
 
 from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
-from hf_budgetdraft.attention.common import as_additive
+from hf_budgetdraft.attention.function_parts import as_additive
 from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, windowed_prefill
 from hf_budgetdraft.generation import draft_steps
 from hf_budgetdraft.generation.spec import DEFAULT_PREFILL_WINDOW

@@ -11,13 +11,13 @@ import torch
 from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer
 from hf_budgetdraft.cli import main
 from hf_budgetdraft.demo.random_models import smoke_pair
-from hf_budgetdraft.eval import bench
-from hf_budgetdraft.eval.bench import BenchArguments, BenchModels, run_bench
+from hf_budgetdraft.eval import bench_run as bench
+from hf_budgetdraft.eval.aggregate import round_budget_rows
 from hf_budgetdraft.eval.bench_models import bundled_tokenizer
+from hf_budgetdraft.eval.bench_run import BenchArguments, BenchModels, run_bench
 from hf_budgetdraft.eval.plots import PLOTS
 from hf_budgetdraft.eval.report import REQUIRED_FIELDS
 from hf_budgetdraft.eval.runners import MethodSpec, run_ar, sparse_cache_config
-from hf_budgetdraft.eval.summary import round_budget_rows
 
 EXTRA_FIELDS = (
     "target_cache_bytes",

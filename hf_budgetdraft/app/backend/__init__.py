@@ -18,6 +18,7 @@ numbers from `record_speculation()` and `cache_nbytes`, and the losslessness che
 
 from .columns import IncrementalDecoder, SideView, chunk_origins, token_origins
 from .compare import Snapshot, compare
+from .comparison_numbers import full_kv_bytes, summarize
 from .methods import decoding_kwargs, draft_spec, method_title, require_method, speculative_call
 from .prompts import Prompt, build_prompt, read_upload
 from .request import (
@@ -42,7 +43,6 @@ from .request import (
 )
 from .store import TOKENIZER_DIR, ModelPair, ModelStore, check_compatible, check_model_folder
 from .streaming import RunProgress, stream_generate
-from .summary import full_kv_bytes, summarize
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -10,14 +10,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..config import AppArguments
+from ..arguments import AppArguments
 from .columns import IncrementalDecoder, SideView, chunk_origins, token_origins
+from .comparison_numbers import summarize
 from .methods import decoding_kwargs, method_title, require_method, speculative_call
 from .prompts import Prompt, build_prompt
 from .request import DemoInputError, RunRequest
 from .store import ModelPair, ModelStore
 from .streaming import RunProgress, stream_generate
-from .summary import summarize
 
 REFRESH_SECONDS = 0.2  # the page's update interval while tokens stream (each update re-renders both columns)
 

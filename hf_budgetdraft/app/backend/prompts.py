@@ -11,7 +11,7 @@ import torch
 
 from ...demo.corpus import Document
 from ...demo.tasks import build_sample
-from ..config import AppArguments
+from ..arguments import AppArguments
 from .request import SOURCE_LABELS, UPLOAD_SUFFIXES, DemoInputError, RunRequest
 from .store import ModelPair
 

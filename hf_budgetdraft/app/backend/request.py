@@ -11,7 +11,7 @@ import torch
 from ...cache.policies import POLICIES
 from ...generation.spec import DraftSpec
 from ...loading import DTYPES
-from ..config import AppArguments
+from ..arguments import AppArguments
 
 DEFAULT_SPEC = DraftSpec()  # the app's defaults are the package's
 

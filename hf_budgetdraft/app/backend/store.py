@@ -21,7 +21,7 @@ from ...demo.random_models import smoke_mtp_model, smoke_pair
 from ...generation.mtp_heads import expose_mtp_layers
 from ...loading import LoadFlags, load_model
 from ...quiet import quiet_transformers
-from ..config import AppArguments
+from ..arguments import AppArguments
 from .request import (
     DRAFTER_METHODS,
     MODEL_DEMO,

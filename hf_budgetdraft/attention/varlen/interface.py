@@ -25,14 +25,14 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function
 
-from ..common import (
+from ..fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
+from ..function_parts import (
     IGNORED_KWARGS,
     eager_fallback,
     grouped_attention,
     needs_eager,
     out_layout,
 )
-from ..fast_sdpa import budgetdraft_sdpa_attention_forward, budgetdraft_sdpa_mask
 from .backends import PACKED_BACKENDS, current_backend, resolve_backend
 from .kernels import sparse_varlen_attention
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import KeepPolicy
 from .chunk import ChunkPolicy
+from .keep_policy import KeepPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
 

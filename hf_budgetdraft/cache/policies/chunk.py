@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import KeepPolicy, group_queries
+from .keep_policy import KeepPolicy, group_queries
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .base import KeepPolicy, group_queries
+from .keep_policy import KeepPolicy, group_queries
 
 
 @dataclass

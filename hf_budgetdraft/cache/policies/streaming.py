@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import KeepPolicy
+from .keep_policy import KeepPolicy
 
 
 @dataclass

@@ -9,11 +9,11 @@ them, and one factory (`for_plan`, `for_rows`, `for_mtp`) for the single-sequenc
 """
 
 from .adaptive import AdaptiveDraftLength
-from .base import DraftLength, FixedDraftLength, HeuristicDraftLength
 from .clock import RoundClock
 from .cost_fit import DecayedLinearFit
 from .factory import for_mtp, for_plan, for_rows
 from .per_row import RowDraftLength, SharedDraftLength
+from .policy import DraftLength, FixedDraftLength, HeuristicDraftLength
 
 __all__ = [
     "AdaptiveDraftLength",

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import DraftLength
 from .cost_fit import DecayedLinearFit
+from .policy import DraftLength
 
 FIRST_PROBE_AFTER = 8  # AR rounds before a probing round drafts again (doubling while probes fail)
 FIRST_REMEASURE_AFTER = 32  # drafting rounds before the AR step is measured again (doubling)

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .base import DraftLength
+from .policy import DraftLength
 
 
 def synchronize(device: torch.device | str) -> None:

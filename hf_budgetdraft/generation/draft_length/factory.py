@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from transformers.utils import logging
 
 from .adaptive import AdaptiveDraftLength
-from .base import DraftLength, FixedDraftLength, HeuristicDraftLength
 from .per_row import RowDraftLength, SharedDraftLength
+from .policy import DraftLength, FixedDraftLength, HeuristicDraftLength
 
 if TYPE_CHECKING:
     from ..plan import DraftPlan

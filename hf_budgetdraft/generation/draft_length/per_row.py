@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DraftLength
 from .cost_fit import DecayedLinearFit
+from .policy import DraftLength
 
 
 @dataclass
