@@ -10,11 +10,15 @@ from . import integration
 from .attention.query_capture import query_capture
 from .cache import (
     BudgetedCache,
+    BudgetSelection,
     ChunkPolicy,
     GrowableCache,
     KeepPolicy,
+    Selection,
+    SinkSelection,
     SinkWindowCache,
     SnapKVPolicy,
+    SparseDraftCache,
     StreamingPolicy,
     cache_nbytes,
 )
@@ -32,14 +36,18 @@ install = integration.install
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetSelection",
     "BudgetedCache",
     "ChunkPolicy",
     "DraftPlan",
     "DraftSpec",
     "GrowableCache",
     "KeepPolicy",
+    "Selection",
+    "SinkSelection",
     "SinkWindowCache",
     "SnapKVPolicy",
+    "SparseDraftCache",
     "SpeculationStats",
     "StreamingPolicy",
     "cache_nbytes",
