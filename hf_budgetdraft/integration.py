@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import transformers
@@ -68,9 +69,8 @@ from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp
 logger = logging.get_logger(__name__)
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES
 
-# what install() replaced (restored by uninstall()) and the cache names it added to transformers' list
-_originals: dict[str, object] = {}
-_added_cache_names: list[str] = []
+# a method install() put on GenerationMixin carries, under this name, the one it replaced (uninstall() puts it back)
+REPLACED = "__budgetdraft_replaces__"
 _current_plan: ContextVar[DraftPlan | None] = ContextVar("budgetdraft_draft_plan", default=None)
 
 
@@ -173,6 +173,7 @@ def _windowed_builtin_generator(self, name, generation_config, assistant_model, 
 
 
 def _get_candidate_generator(
+    stock,
     self,
     generation_config,
     input_ids,
@@ -185,7 +186,7 @@ def _get_candidate_generator(
 ):
     name = generation_config.cache_implementation
     stock_generator = functools.partial(
-        _originals["_get_candidate_generator"],
+        stock,
         self,
         generation_config,
         input_ids,
@@ -245,7 +246,7 @@ def _plan(
     )
 
 
-def _assisted_decoding(self, *args, **kwargs):
+def _assisted_decoding(stock, self, *args, **kwargs):
     """Sparse-draft calls run inside their `DraftPlan`, scoped to this call (the models are not written to). A batch of
     more than one row, or a call drafting on a full cache (`cache_config={"full_draft_cache": True}`), runs the batched
     loop (`generation/batched_loop.py`)."""
@@ -271,9 +272,9 @@ def _assisted_decoding(self, *args, **kwargs):
     if sparse and generation_config.use_mtp:  # windowed MTP: the target verifies as with assistant_model=
         fast_verify = WindowedSpec.from_cache_config("mtp", generation_config.cache_config).fast_verify
         with using_attention(self, verify_attention(self, fast_verify)), few_row_linears(self, fast_verify):
-            return _originals["_assisted_decoding"](self, *args, **kwargs)
+            return stock(self, *args, **kwargs)
     if not sparse or builtin_draft:
-        return _originals["_assisted_decoding"](self, *args, **kwargs)
+        return stock(self, *args, **kwargs)
     _check_assistant(
         self,
         assistant_model,
@@ -295,13 +296,13 @@ def _assisted_decoding(self, *args, **kwargs):
     token = _current_plan.set(plan)
     try:
         with plan.applied(self):
-            return _originals["_assisted_decoding"](self, *args, **kwargs)
+            return stock(self, *args, **kwargs)
     finally:
         _current_plan.reset(token)
 
 
 def _prepare_cache_for_generation(
-    self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    stock, self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
 ):
     name = generation_config.cache_implementation
     speculating = (
@@ -314,9 +315,7 @@ def _prepare_cache_for_generation(
         model_kwargs[CACHE_KWARG] = GrowableCache(config=self.config, initial_capacity=capacity)
         return
     if name not in SPARSE_CACHE_IMPLEMENTATIONS or generation_mode == GenerationMode.ASSISTED_GENERATION:
-        return _originals["_prepare_cache_for_generation"](
-            self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
+        return stock(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     if model_kwargs.get(CACHE_KWARG) is not None:
         raise ValueError(f"pass either cache_implementation= or {CACHE_KWARG}=, not both")
     cache = build_sparse_cache(name, self.config, generation_config.cache_config)
@@ -333,7 +332,7 @@ def _prepare_cache_for_generation(
     model_kwargs[CACHE_KWARG] = cache
 
 
-def _sample(self, *args, **kwargs):
+def _sample(stock, self, *args, **kwargs):
     """Greedy/sampling on a sparse cache without a draft (lossy): a left-padded batch runs the ragged loop, so each
     row keeps its own sink + window or selection of its own tokens (not of the padding)."""
     generation_config = kwargs.get("generation_config")
@@ -343,7 +342,7 @@ def _sample(self, *args, **kwargs):
     if name in SPARSE_CACHE_IMPLEMENTATIONS and mask is not None and not bool(mask.all()):
         spec = DraftSpec.from_cache_config(name, generation_config.cache_config)
         return run_sparse_batch(self, spec, input_ids, generation_config, kwargs)
-    return _originals["_sample"](self, *args, **kwargs)
+    return stock(self, *args, **kwargs)
 
 
 def _can_use_growable(model, generation_config, model_kwargs) -> bool:
@@ -365,34 +364,57 @@ def _can_use_growable(model, generation_config, model_kwargs) -> bool:
 
 
 def _refusing_generate(message: str):
-    """`GenerationMixin.generate` refusing calls that name a sparse draft cache with `message`; others untouched."""
-    stock_generate = GenerationMixin.generate
+    """The step that stands in for `GenerationMixin.generate` where a patch point is missing: calls naming a sparse
+    draft cache are refused with `message`, the others go to transformers' own `generate` (`stock`) untouched."""
 
-    @functools.wraps(stock_generate)
-    def generate(self, *args, **kwargs):
+    def generate(stock, self, *args, **kwargs):
         config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
         name = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
         if name in SPARSE_CACHE_IMPLEMENTATIONS:
             raise RuntimeError(message)
-        return stock_generate(self, *args, **kwargs)
+        return stock(self, *args, **kwargs)
 
     return generate
+
+
+STEPS = (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding, _sample)
+
+
+def _replacing(step: Callable, stock: Callable) -> Callable:
+    """`step` as the `GenerationMixin` method in place of `stock`, which it receives first; the method carries
+    `stock` (under `REPLACED`) and its signature (`generate()` reads a decoding method's parameters)."""
+
+    def method(self, *args, **kwargs):
+        return step(stock, self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = stock.__name__
+    method.__doc__ = step.__doc__ or stock.__doc__
+    method.__signature__ = inspect.signature(stock)
+    setattr(method, REPLACED, stock)
+    return method
+
+
+def _replace(name: str, step: Callable) -> None:
+    setattr(GenerationMixin, name, _replacing(step, getattr(GenerationMixin, name)))
+
+
+def _installed() -> bool:
+    return any(hasattr(GenerationMixin.__dict__.get(name), REPLACED) for name in ("generate", "_sample"))
 
 
 def uninstall() -> None:
     """Undo `install()`: transformers' own `generate()` steps, its list of cache names, the config's attention
     property and `nn.Linear.forward` as they were (the attention functions stay registered under their own names,
     unused). `install()` can run again after it."""
-    if not _originals:
+    if not _installed():
         return
-    for name, original in _originals.items():
-        setattr(GenerationMixin, name, original)
-    _originals.clear()
-    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    for name in ("generate", *(step.__name__ for step in STEPS)):
+        if hasattr(method := GenerationMixin.__dict__.get(name), REPLACED):
+            setattr(GenerationMixin, name, getattr(method, REPLACED))
+    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS  # ours only: transformers has no such names
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = type(names)(
-        n for n in names if n not in _added_cache_names
+        n for n in names if n not in SPARSE_CACHE_IMPLEMENTATIONS
     )
-    _added_cache_names.clear()
     uninstall_scoped_attention()
     uninstall_few_row_linears()
 
@@ -400,12 +422,11 @@ def uninstall() -> None:
 def install() -> None:
     """Register the sparse cache implementations with transformers' `generate()` (idempotent). On a transformers
     that lacks a patch point (`compat.patch_point_problems()`), calls naming a sparse cache are refused instead."""
-    if _originals:
+    if _installed():
         return
     problems = patch_point_problems()
     if problems:
-        _originals["generate"] = GenerationMixin.generate
-        GenerationMixin.generate = _refusing_generate(refusal(problems))
+        _replace("generate", _refusing_generate(refusal(problems)))
         logger.warning(refusal(problems))
         return
     if not installed_is_tested():
@@ -422,10 +443,5 @@ def install() -> None:
         n for n in SPARSE_CACHE_IMPLEMENTATIONS if n not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     )
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS += missing
-    _added_cache_names.extend(missing)
-    for method in (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding, _sample):
-        _originals[method.__name__] = getattr(GenerationMixin, method.__name__)
-        setattr(GenerationMixin, method.__name__, method)
-    # generate() reads the decoding method's signature to decide which arguments it passes (`inputs_tensor`)
-    _assisted_decoding.__signature__ = inspect.signature(_originals["_assisted_decoding"])
-    _sample.__signature__ = inspect.signature(_originals["_sample"])
+    for step in STEPS:
+        _replace(step.__name__, step)

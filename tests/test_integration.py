@@ -4,6 +4,7 @@ nothing else, `record_speculation()` reports what ran."""
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
+from transformers.generation.utils import GenerationMixin
 
 import hf_budgetdraft
 from hf_budgetdraft import (
@@ -141,9 +142,10 @@ def test_query_capture_restores_attention_and_feeds_snapkv():
 
 
 def test_install_is_idempotent_and_leaves_other_calls_alone():
-    before = dict(integration._originals)
+    steps = ("generate", *(step.__name__ for step in integration.STEPS))
+    before = {name: GenerationMixin.__dict__[name] for name in steps}
     integration.install()
-    assert integration._originals == before
+    assert {name: GenerationMixin.__dict__[name] for name in steps} == before  # nothing wrapped twice
     target, drafter = model_pair("llama")
     ids = random_prompt(64)
     plain = target.generate(ids, do_sample=False, max_new_tokens=8)
