@@ -113,14 +113,9 @@ class DraftLayer(CacheLayerMixin):
 
     def _keep(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
         """Store the selection's prompt positions `(B, H, n)` in static slots `[0, n)`."""
-        positions = self.selection.select(keys, queries)
+        positions, kept_keys, kept_values = self.selection.keep(keys.detach(), values.detach(), queries)
         self.kept_positions, self.num_kept = positions, positions.shape[-1]
-        index = positions[..., None]  # (B, H, n, 1)
-        self._store_static(
-            keys.detach().gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
-            values.detach().gather(2, index.expand(-1, -1, -1, values.shape[-1])),
-            positions,
-        )
+        self._store_static(kept_keys, kept_values, positions)
 
     def _store_static(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         self.keys[:, :, : keys.shape[-2]] = keys

@@ -20,7 +20,7 @@ from .policies import KeepPolicy
 from .ragged import RaggedCache, RaggedLayer, RaggedStep
 from .selection import BudgetSelection, Selection, SinkSelection
 from .sizes import check_size
-from .slot_layout import SlotLayout
+from .slot_layout import SlotLayout, static_marks
 
 
 class RaggedSlotLayer(RaggedLayer):
@@ -170,13 +170,14 @@ class RaggedDraftCache(RaggedCache):
     def keep_prefix(self, layer, row: int, keys: torch.Tensor, values: torch.Tensor, queries) -> None:
         """Keep the selection's positions `(1, H, n)` of the row's prompt in the layer's static slots; every layer
         keeps the same count."""
-        kept = self.selection.select(keys, queries)[0]  # (H, n)
+        kept, kept_keys, kept_values = self.selection.keep(
+            keys, values, queries
+        )  # (1, H, n), (1, H, n, D) x 2
         count = kept.shape[-1]
-        for buffer, states in ((layer.keys, keys), (layer.values, values)):
-            buffer[row, :, :count] = states[0].gather(1, kept[..., None].expand(-1, -1, states.shape[-1]))
+        layer.keys[row, :, :count], layer.values[row, :, :count] = kept_keys[0], kept_values[0]
         if int(self.num_kept[row]) < 0:
             self.num_kept[row] = count
-            self.slot_positions[row, :count] = kept.amin(0)
+            self.slot_positions[row, :count] = static_marks(kept)
         elif int(self.num_kept[row]) != count:
             raise RuntimeError(f"layers of one row kept {int(self.num_kept[row])} and {count} prefix tokens")
 

@@ -43,6 +43,18 @@ class Selection:
         `n <= static_capacity` (queries `(B, H_q, L, D)` when `needs_queries`)."""
         raise NotImplementedError
 
+    def keep(
+        self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`select`'s positions `(B, H, n)` and the keys and values at them, `(B, H, n, D)` each."""
+        positions = self.select(keys, queries)
+        index = positions[..., None]  # (B, H, n, 1)
+        return (
+            positions,
+            keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
+            values.gather(2, index.expand(-1, -1, -1, values.shape[-1])),
+        )
+
 
 class SinkSelection(Selection):
     """The first `num_sink_tokens` positions, whatever the prompt (Windowed-MTP's attention sink)."""

@@ -89,6 +89,12 @@ class RingSlots:
         return self.window_start(length) >= self.valid_from or length <= self.start
 
 
+def static_marks(positions: torch.Tensor) -> torch.Tensor:
+    """`(n,)`: the position a static slot is marked with, from the kept positions `(..., n)` of every head: the
+    earliest any head keeps there (a sink slot's own position; a kept prefix slot, before every later query)."""
+    return positions.flatten(0, -2).amin(0)
+
+
 def rollback_length(tokens_to_remove, length: int, ring: RingSlots, floor: int, floor_reason: str) -> int:
     """The length after `crop(tokens_to_remove)` of a layer at `length`, or `ValueError` if the rollback is not exact
     (see the module docstring). `floor_reason` says why the layer cannot go back before `floor`."""
@@ -166,9 +172,9 @@ class SlotLayout:
         """Whether each slot, holding position `held` (`(..., S + W + slack)`, -1 = empty), is read by a query at
         `queries` of a step whose first query is at `first` (shapes broadcast): a static slot when filled and not
         past the query, a ring slot as `ring_visible` says."""
-        is_static = torch.arange(self.num_slots, device=held.device) < self.static_capacity
-        static = (held >= 0) & (held <= queries)
-        return torch.where(is_static, static, self.ring_visible(held, ring_start, queries, first))
+        static, ring = held[..., : self.static_capacity], held[..., self.static_capacity :]
+        static_visible = (static >= 0) & (static <= queries)
+        return torch.cat([static_visible, self.ring_visible(ring, ring_start, queries, first)], dim=-1)
 
     def window_intact(
         self, held_ring: torch.Tensor, ring_start: torch.Tensor, lengths: torch.Tensor

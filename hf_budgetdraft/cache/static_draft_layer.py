@@ -29,6 +29,7 @@ from ..attention.varlen import NAME as VARLEN_NAME
 from ..attention.varlen import STATIC_LAYER_KWARG
 from .draft_layer import DraftLayer
 from .selection import Selection
+from .slot_layout import static_marks
 
 
 def check_static_flag(static, config: PreTrainedConfig) -> None:
@@ -149,7 +150,7 @@ class StaticDraftLayer(DraftLayer):
     def _store_static(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         super()._store_static(keys, values, positions)
         # a kept slot is marked with the earliest position any head keeps there: every later query reads it
-        self.slot_positions[: positions.shape[-1]] = positions.flatten(0, 1).amin(0)
+        self.slot_positions[: positions.shape[-1]] = static_marks(positions)
 
     def _wrote(self, slot: int, position: int, count: int) -> None:
         self.slot_positions[slot : slot + count] = torch.arange(
