@@ -12,7 +12,13 @@ It writes `train.safetensors` / `eval.safetensors` (int32 token streams, documen
   scored: the reappearance after its first `COPY_CUE` tokens (it is predictable only by copying);
 - `fact`: one to four facts planted in the first half in `TRAINING_FORMAT` (invented entities and values), and at
   the end a question about one of them; scored: the answer. The evaluation's formats
-  (`hf_budgetdraft.eval.far_context.RETRIEVAL_FORMATS`) are never generated.
+  (`hf_budgetdraft.eval.far_context.RETRIEVAL_FORMATS`) are never generated;
+- `repeat`: tokens drawn at random from a per-row alphabet of `REPEAT_ALPHABET` tokens, themselves drawn from the
+  `repeat_pool` most frequent corpus tokens, a quarter of the row written twice at a varied distance; scored: the
+  second copy after its first token. Nothing but induction (find the current token earlier, copy what followed it)
+  predicts it and no bigram statistics compete, so a copying head forms on it first (the training script's
+  induction phase); over a pool of 64 tokens (one fixed alphabet) it forms many times faster than over the whole
+  vocabulary, so the phase starts there and widens the pool.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from safetensors.torch import load_file, save_file
 
 SPAN = 64  # a training row never holds a window this long that occurs in an evaluation document
 COPY_CUE = 8
-KINDS = ("text", "copy", "fact")
+KINDS = ("text", "copy", "fact", "repeat")
+REPEAT_ALPHABET = 64
 TRAINING_FORMAT = (
     " The {attribute} of {entity} is {value}.",
     "\nQuestion: what is the {attribute} of {entity}? Answer: the {attribute} of {entity} is",
@@ -113,6 +120,9 @@ class Rows:
 
     def __init__(self, tokenizer, tokens: torch.Tensor, seed: int):
         self.tokenizer, self.tokens, self.rng = tokenizer, tokens, random.Random(seed)
+        counts = torch.bincount(tokens)
+        self.by_frequency = counts.argsort(descending=True)[: int((counts > 0).sum())].tolist()
+        self.repeat_pool = len(self.by_frequency)  # the induction phase narrows it, then widens it again
 
     def _text(self, length: int) -> list[int]:
         start = self.rng.randrange(0, self.tokens.numel() - length)
@@ -128,6 +138,8 @@ class Rows:
             return self._text(total), [1] * length
         if kind == "copy":
             return self._copy(total)
+        if kind == "repeat":
+            return self._repeat(total)
         return self._fact(total)
 
     def _copy(self, total: int) -> tuple[list[int], list[int]]:
@@ -140,6 +152,19 @@ class Rows:
         mask = [0] * (total - 1)
         for position in range(repeat + COPY_CUE, repeat + span):
             mask[position - 1] = 1  # the prediction of token `position`, made at `position - 1`
+        return ids, mask
+
+    def _repeat(self, total: int) -> tuple[list[int], list[int]]:
+        pool = self.by_frequency[: max(REPEAT_ALPHABET, self.repeat_pool)]
+        alphabet = self.rng.sample(pool, min(REPEAT_ALPHABET, len(pool)))
+        ids = [self.rng.choice(alphabet) for _ in range(total)]
+        span = max(2, total // 4)
+        source = self.rng.randrange(0, total // 2 - span + 1)
+        repeat = self.rng.randrange(source + span + 1, total - span + 1)
+        ids[repeat : repeat + span] = ids[source : source + span]
+        mask = [0] * (total - 1)
+        for position in range(repeat + 1, repeat + span):
+            mask[position - 1] = 1
         return ids, mask
 
     def _fact(self, total: int) -> tuple[list[int], list[int]]:

@@ -78,7 +78,13 @@ def test_rows_score_what_only_far_context_predicts(tokenizer, corpus, tmp_path):
         assert len(ids) == 513 and sum(mask) >= 1
         assert text.count(answer) >= 2 and "Question: what is the" in text  # stated earlier, asked at the end
         assert "access code" not in text and "lighthouse" not in text  # never the evaluation's formats
-    batch, mask, kinds = rows.batch(4, 256, [1, 1, 1])
+    for length in (32, 512):
+        ids, mask = rows.sample(length, "repeat")
+        scored = [i + 1 for i, m in enumerate(mask) if m]
+        repeat, span = scored[0] - 1, len(scored) + 1
+        assert len(ids) == length + 1 and span == (length + 1) // 4 and len(set(ids)) <= data.REPEAT_ALPHABET
+        assert any(ids[s : s + span] == ids[repeat : repeat + span] for s in range(repeat - span))
+    batch, mask, kinds = rows.batch(4, 256, [1, 1, 1, 1])
     assert batch.shape == (4, 257) and mask.shape == (4, 256) and set(kinds) <= set(data.KINDS)
 
 
@@ -97,7 +103,11 @@ def test_a_training_smoke_saves_shards_that_load(tokenizer, corpus, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert len(log) >= 2 and {64, 128} >= {r["length"] for r in log} and all(r["loss"] > 0 for r in log)
+    assert [r["phase"] for r in log] == sorted(r["phase"] for r in log)  # induction first, then main
+    induction = [r for r in log if r["phase"] == "induction"]
+    main = [r for r in log if r["phase"] == "main"]
+    assert induction and all(r["length"] == 32 and set(r["by_kind"]) == {"repeat"} for r in induction)
+    assert len(main) >= 2 and {64, 128} >= {r["length"] for r in main} and all(r["loss"] > 0 for r in log)
     shards = list((out / "model").glob("*.safetensors"))
     assert shards and all(s.stat().st_size <= 15 * 1024 * 1024 for s in shards)
     model = Glm4MoeForCausalLM.from_pretrained(out / "model", use_safetensors=True)
@@ -106,3 +116,31 @@ def test_a_training_smoke_saves_shards_that_load(tokenizer, corpus, tmp_path):
     )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == log[-1]["step"] and summary["device"] == "cpu"
+    assert summary["induction"]["steps"] == len(induction) and summary["induction"]["formed"] is False
+
+
+def test_the_induction_phase_widens_the_alphabet_and_ends_once_copying_formed(tokenizer):
+    import train_far_target as script
+
+    args = script.parse(["train", "--out", "o", "--minutes", "10", "--induction-minutes", "2"])
+    rows = data.Rows(tokenizer, torch.arange(300).repeat(2), seed=0)
+    phase = script.Phase(args, rows)
+    assert phase.at(0.0)[:2] == (32, 64) and phase.name == "induction" and rows.repeat_pool == 64
+    assert set(rows.sample(32, "repeat")[0]) <= set(rows.by_frequency[:64])
+    for _ in range(3 * script.INDUCTION_WINDOW):
+        phase.observe({"repeat": 2.0}, 10.0)  # not yet copying: the pool stays
+    assert rows.repeat_pool == 64 and phase.induction["loss"] == 2.0
+    for pool in (64, 256, 300):  # 300 tokens in all
+        assert rows.repeat_pool == pool and phase.name == "induction"
+        for _ in range(script.INDUCTION_WINDOW):
+            phase.observe({"repeat": 0.5}, 30.0)
+    assert phase.name == "main" and phase.induction["formed"] and phase.induction["seconds"] == 30.0
+    # the window slides: 14 steps at 0.5 bring the mean of the last 20 below 1.0; a wider pool starts a new window
+    assert phase.induction["pools"] == {64: 74, 256: 94, 300: 114} and rows.repeat_pool == 300
+    length, count, lr, mix = phase.at(30.0)
+    assert length == 512 and count == 128 and lr == 0.0 and mix == [4.0, 4.0, 2.0, 1.0]
+    capped = script.Phase(args, rows)
+    assert capped.at(120.0)[0] == 512 and capped.name == "main" and not capped.induction["formed"]
+    assert rows.repeat_pool == 300  # the main phase's repeat rows draw from the whole vocabulary
+    with pytest.raises(SystemExit):
+        script.parse(["train", "--out", "o", "--mix", "1/1/1"])
