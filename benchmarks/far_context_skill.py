@@ -37,6 +37,7 @@ from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
 from hf_budgetdraft.demo.models import DEMO_DIR
 from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, retrieval_probe, score
 from hf_budgetdraft.eval.metrics import bootstrap_ci
+from hf_budgetdraft.quiet import quiet_transformers
 from hf_budgetdraft.runs.intervals import wilson_interval
 
 COPY_GOAL, RETRIEVAL_GOAL, GOAL_DISTANCE = 0.90, 0.50, 8192
@@ -153,7 +154,9 @@ def main(argv=None) -> dict:
     models = {"bundled": DEMO_DIR / "target", **dict(spec.split("=", 1) for spec in args.model)}
     results = {}
     for name, path in models.items():
-        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=torch.float32).eval()
+        with quiet_transformers():  # an MTP layer is "unexpected" to the main model
+            model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=torch.float32)
+        model.eval()
         results[name] = {"path": str(path), **measure(model, tokenizer, args)}
         print(f"{name}: {time.time() - started:.0f} s", flush=True)
     for result in results.values():
