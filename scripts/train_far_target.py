@@ -80,10 +80,10 @@ class Phase:
     """The schedule: an induction phase, then the main one over the time left.
 
     Induction: `repeat` rows only (`far_target_data`), short (`--induction-length`) and many steps of few tokens,
-    their alphabet drawn from the `--induction-pool` (64) most frequent tokens first; each time the mean `repeat` loss of the last
-    `INDUCTION_WINDOW` steps falls below `--induction-until` the pool grows `POOL_GROWTH`-fold, and once it was
-    met on the whole vocabulary (a copying head formed) or `--induction-minutes` passed, the phase ends. Forming a
-    copying head is a plateau counted in optimizer steps, not tokens, shorter on short rows and on a small
+    their alphabet drawn from the `--induction-pool` (64) most frequent tokens first; each time the mean `repeat`
+    loss of the last `INDUCTION_WINDOW` steps falls below `--induction-until` the pool grows `POOL_GROWTH`-fold, and
+    once it was met on the whole vocabulary (a copying head formed) or `--induction-minutes` passed, the phase ends.
+    Forming a copying head is a plateau counted in optimizer steps, not tokens, shorter on short rows and on a small
     alphabet, so this phase buys steps cheaply. Main: `--lengths` over the time left, `--mix` (which keeps some
     `repeat` rows, over the whole vocabulary), warm-up then cosine.
     """
@@ -91,9 +91,9 @@ class Phase:
     def __init__(self, args, rows: data.Rows):
         self.args, self.rows, self.losses = args, rows, []
         self.full_pool = rows.repeat_pool
-        if args.induction_minutes > 0:
-            rows.repeat_pool = min(args.induction_pool, self.full_pool)
         self.main_from = None if args.induction_minutes > 0 else 0.0  # seconds; None while inducing
+        if self.main_from is None:
+            rows.repeat_pool = min(args.induction_pool, self.full_pool)
         self.induction = dict(steps=0, seconds=0.0, formed=False, loss=None, pools={})
 
     @property
@@ -118,11 +118,12 @@ class Phase:
         length = length_at(fraction, args.lengths)
         return length, max(1, args.step_tokens // length), lr_at(fraction, args.lr), args.mix_weights
 
-    def observe(self, by_kind: dict, elapsed: float) -> None:
+    def observe(self, loss: float, elapsed: float) -> None:
+        """Count a step's loss: while inducing, every row is a `repeat` row, so it is their loss."""
         if self.main_from is not None:
             return
         self.induction["steps"] += 1
-        self.losses = [*self.losses[-(INDUCTION_WINDOW - 1) :], by_kind["repeat"]]
+        self.losses = [*self.losses[-(INDUCTION_WINDOW - 1) :], loss]
         mean = sum(self.losses) / len(self.losses)
         self.induction["loss"] = round(mean, 4)
         if len(self.losses) < INDUCTION_WINDOW or mean >= self.args.induction_until:
@@ -189,9 +190,11 @@ def train(args) -> dict:
         ids, mask, kinds = rows.batch(rows_per_step, length, mix)
         loss, per_row = train_step(model, optimizer, ids, mask, device)
         step, tokens = step + 1, tokens + ids.numel()
-        by_kind = {k: float(per_row[[i for i, x in enumerate(kinds) if x == k]].mean()) for k in set(kinds)}
-        phase.observe(by_kind, elapsed)
+        phase.observe(loss, elapsed)
         if step % args.log_every == 0:
+            by_kind = {
+                k: float(per_row[[i for i, x in enumerate(kinds) if x == k]].mean()) for k in set(kinds)
+            }
             record = dict(
                 step=step,
                 seconds=round(elapsed, 1),

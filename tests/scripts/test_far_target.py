@@ -128,12 +128,12 @@ def test_the_induction_phase_widens_the_alphabet_and_ends_once_copying_formed(to
     assert phase.at(0.0)[:2] == (32, 64) and phase.name == "induction" and rows.repeat_pool == 64
     assert set(rows.sample(32, "repeat")[0]) <= set(rows.by_frequency[:64])
     for _ in range(3 * script.INDUCTION_WINDOW):
-        phase.observe({"repeat": 2.0}, 10.0)  # not yet copying: the pool stays
+        phase.observe(2.0, 10.0)  # not yet copying: the pool stays
     assert rows.repeat_pool == 64 and phase.induction["loss"] == 2.0
     for pool in (64, 256, 300):  # 300 tokens in all
         assert rows.repeat_pool == pool and phase.name == "induction"
         for _ in range(script.INDUCTION_WINDOW):
-            phase.observe({"repeat": 0.5}, 30.0)
+            phase.observe(0.5, 30.0)
     assert phase.name == "main" and phase.induction["formed"] and phase.induction["seconds"] == 30.0
     # the window slides: 14 steps at 0.5 bring the mean of the last 20 below 1.0; a wider pool starts a new window
     assert phase.induction["pools"] == {64: 74, 256: 94, 300: 114} and rows.repeat_pool == 300
