@@ -48,9 +48,9 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft import BudgetedCache
 from hf_budgetdraft.demo import load_demo_models
-from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
+from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.tasks import NEEDLE, passkey_sample
-from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, retrieval_probe
+from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, held_out_sources, retrieval_probe
 from hf_budgetdraft.eval.metrics import bootstrap_ci
 from hf_budgetdraft.runs.intervals import wilson_interval
 
@@ -118,11 +118,7 @@ def _held_out_tokens(tokenizer) -> torch.Tensor:
 
 def far_probes(tokenizer, task: str, context: int, count: int, rng: random.Random):
     """`copy` / `retrieval` probes of about `context` tokens: the prompt ends where the scored tokens begin."""
-    filler = _held_out_tokens(tokenizer)
-    passages = tokenizer(
-        licence_text() or DEMO_TEXT.read_text(encoding="utf-8")[-20000:], return_tensors="pt"
-    )
-    passages = passages.input_ids[0]
+    filler, passages = held_out_sources(tokenizer)
     formats = sorted(RETRIEVAL_FORMATS)
     for index in range(count):
         offset = rng.randrange(filler.numel() - context)

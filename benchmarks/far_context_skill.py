@@ -33,9 +33,14 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
 from hf_budgetdraft.demo.models import DEMO_DIR
-from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, retrieval_probe, score
+from hf_budgetdraft.eval.far_context import (
+    RETRIEVAL_FORMATS,
+    copy_probe,
+    held_out_sources,
+    retrieval_probe,
+    score,
+)
 from hf_budgetdraft.eval.metrics import bootstrap_ci
 from hf_budgetdraft.quiet import quiet_transformers
 from hf_budgetdraft.runs.intervals import wilson_interval
@@ -76,12 +81,9 @@ def perplexity(model, tokens: torch.Tensor, window: int) -> float:
     return math.exp(nll / count)
 
 
-def measure(model, tokenizer, args) -> dict:
-    filler = tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
-    passages = tokenizer(
-        licence_text() or DEMO_TEXT.read_text(encoding="utf-8")[-20000:], return_tensors="pt"
-    )
-    passages = passages.input_ids[0]
+def measure(model, tokenizer, sources: tuple[torch.Tensor, torch.Tensor], args) -> dict:
+    """Copying and retrieval by distance and perplexity of `model` on `sources` (`held_out_sources`)."""
+    filler, passages = sources
     rows = []
     for distance in args.distances:
         rng = random.Random(f"{args.seed}-{distance}")
@@ -152,12 +154,13 @@ def main(argv=None) -> dict:
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
     models = {"bundled": DEMO_DIR / "target", **dict(spec.split("=", 1) for spec in args.model)}
+    sources = held_out_sources(tokenizer)
     results = {}
     for name, path in models.items():
         with quiet_transformers():  # an MTP layer is "unexpected" to the main model
             model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=torch.float32)
         model.eval()
-        results[name] = {"path": str(path), **measure(model, tokenizer, args)}
+        results[name] = {"path": str(path), **measure(model, tokenizer, sources, args)}
         print(f"{name}: {time.time() - started:.0f} s", flush=True)
     for result in results.values():
         result["goals"] = goals(result, results["bundled"]["perplexity"])
@@ -189,8 +192,12 @@ def markdown(results: dict, meta: dict, args) -> str:
                 f"| {name} | {r['distance']} | {r['copy']:.2f} [{r['copy_ci'][0]:.2f}, {r['copy_ci'][1]:.2f}] | "
                 f"{r['retrieval']:.2f} [{r['retrieval_ci'][0]:.2f}, {r['retrieval_ci'][1]:.2f}] |"
             )
-    lines += ["", "| model | perplexity | " + " | ".join(next(iter(results.values()))["goals"]) + " |"]
-    lines.append("|---|---|" + "---|" * len(next(iter(results.values()))["goals"]))
+    goal_names = list(results["bundled"]["goals"])
+    lines += [
+        "",
+        "| model | perplexity | " + " | ".join(goal_names) + " |",
+        "|---|---|" + "---|" * len(goal_names),
+    ]
     for name, result in results.items():
         marks = " | ".join(
             "n/a" if v is None else ("met" if v else "missed") for v in result["goals"].values()

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..demo.documents import DEMO_TEXT, licence_text
+
 # (needle, question ending in the echoed answer prefix, values) — kept apart from the training passkey's wording
 RETRIEVAL_FORMATS = {
     "code_word": (
@@ -64,6 +66,14 @@ class FarProbe:
     distance: int
     input_ids: torch.LongTensor
     scored: torch.LongTensor
+
+
+def held_out_sources(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(filler (n,), passages (m,))`: token ids of held-out text for the probes: the bundled King John as filler,
+    the licence texts found on this machine as passages (King John's last 20,000 characters where none is)."""
+    play = DEMO_TEXT.read_text(encoding="utf-8")
+    filler = tokenizer(play, return_tensors="pt").input_ids[0]
+    return filler, tokenizer(licence_text() or play[-20000:], return_tensors="pt").input_ids[0]
 
 
 def _filler(filler_ids: torch.Tensor, start: int, length: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from train_target import target_config
 from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
 from hf_budgetdraft.demo.models import DEMO_DIR
-from hf_budgetdraft.eval.far_context import InductionOracle
+from hf_budgetdraft.eval.far_context import InductionOracle, held_out_sources
 
 
 def load_benchmark():
@@ -32,11 +32,12 @@ def test_an_induction_oracle_meets_the_goals_a_random_model_does_not():
         distances=[256], count=3, seed=0, bootstrap_draws=50, ppl_tokens=128, ppl_window=64
     )
     bench.GOAL_DISTANCE = 256
-    oracle = bench.measure(InductionOracle(len(tokenizer)), tokenizer, args)
+    sources = held_out_sources(tokenizer)
+    oracle = bench.measure(InductionOracle(len(tokenizer)), tokenizer, sources, args)
     assert oracle["by_distance"][0]["copy"] == 1.0 and oracle["by_distance"][0]["retrieval"] == 1.0
     torch.manual_seed(0)
     random_model = Glm4MoeForCausalLM(target_config(tokenizer, 1024, hidden=64, layers=2, heads=2)).eval()
-    chance = bench.measure(random_model, tokenizer, args)
+    chance = bench.measure(random_model, tokenizer, sources, args)
     assert chance["by_distance"][0]["copy"] < 0.2 and chance["by_distance"][0]["retrieval"] == 0.0
     assert list(bench.goals(oracle, chance["perplexity"]).values())[:2] == [True, True]
     assert bench.goals(chance, chance["perplexity"]) == {
