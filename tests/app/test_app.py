@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("gradio", reason="the demo app needs the `app` extra: pip install 'hf-budgetdraft[app]'")
 
+from app_inputs import run_values as values  # noqa: E402
+
 from hf_budgetdraft.app import AppArguments  # noqa: E402
 from hf_budgetdraft.app.app import (  # noqa: E402
     RUN_INPUTS,
@@ -52,35 +54,6 @@ def store():
     store = ModelStore(LIMITS)
     yield store
     store.close()
-
-
-def values(**overrides):
-    """Run-event input values in `RUN_INPUTS` order (small, fast defaults on the smoke pair)."""
-    chosen = dict(
-        model=MODEL_SMOKE,
-        target_path="",
-        drafter_path="",
-        device="cpu",
-        dtype="float32",
-        source="document",
-        text="",
-        upload=None,
-        depth=0.5,
-        context_length=256,
-        method="sink_window",
-        policy="chunk",
-        num_sink_tokens=4,
-        window_length=48,
-        budget=48,
-        gamma=4,
-        max_new_tokens=24,
-        decoding="greedy",
-        temperature=1.0,
-        seed=0,
-    )
-    chosen.update(overrides)
-    assert set(chosen) == set(RUN_INPUTS)
-    return [chosen[name] for name in RUN_INPUTS]
 
 
 def final(store, **overrides) -> dict:

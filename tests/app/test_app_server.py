@@ -15,8 +15,10 @@ import pytest
 pytest.importorskip("gradio", reason="the demo app needs the `app` extra: pip install 'hf-budgetdraft[app]'")
 gradio_client = pytest.importorskip("gradio_client", reason="pip install 'hf-budgetdraft[app]'")
 
+from app_inputs import run_values  # noqa: E402
+
 from hf_budgetdraft.app import AppArguments  # noqa: E402
-from hf_budgetdraft.app.app import RUN_INPUTS, RUN_OUTPUTS, build_app, launch_app  # noqa: E402
+from hf_budgetdraft.app.app import RUN_OUTPUTS, build_app, launch_app  # noqa: E402
 from hf_budgetdraft.app.backend import MODEL_SMOKE  # noqa: E402
 from hf_budgetdraft.cli import main  # noqa: E402
 
@@ -38,30 +40,7 @@ def client(server):
 
 
 def values(**overrides):
-    chosen = dict(
-        model=MODEL_SMOKE,
-        target_path="",
-        drafter_path="",
-        device="cpu",
-        dtype="float32",
-        source="document",
-        text="",
-        upload=None,
-        depth=0.5,
-        context_length=256,
-        method="sink_window",
-        policy="chunk",
-        num_sink_tokens=4,
-        window_length=48,
-        budget=48,
-        gamma=4,
-        max_new_tokens=32,
-        decoding="greedy",
-        temperature=1.0,
-        seed=0,
-    )
-    chosen.update(overrides)
-    return [chosen[name] for name in RUN_INPUTS]
+    return run_values(**{"max_new_tokens": 32, **overrides})
 
 
 def named(outputs) -> dict:
