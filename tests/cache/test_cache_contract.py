@@ -4,6 +4,7 @@ Random prefill/update/crop sequences come from hypothesis."""
 
 import pytest
 import torch
+from draft_cache_cases import BUDGET_POLICIES, DIM, HEADS, SLACK, random_kv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
@@ -15,8 +16,6 @@ from hf_budgetdraft.cache.ragged_draft import RaggedDraftCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HEADS, DIM = 2, 4
-SLACK = 6
 STORAGES = ("dynamic", "static", "ragged")
 
 operations = st.lists(
@@ -26,13 +25,6 @@ operations = st.lists(
     ),
     max_size=30,
 )
-
-
-def _kv(n, generator):
-    return (
-        torch.randn(1, HEADS, n, DIM, generator=generator),
-        torch.randn(1, HEADS, n, DIM, generator=generator),
-    )
 
 
 def _ordered_slots(mask: torch.Tensor, held: torch.Tensor, static_capacity: int) -> torch.Tensor:
@@ -144,7 +136,7 @@ def run_sequence(storage: Storage, selection, window, prefill, ops, seed, querie
     for kind, n in [("update", prefill), *ops]:
         if kind == "update":
             n = min(n, storage.max_update()) if prompt is not None else n
-            keys, values = _kv(n, generator)
+            keys, values = random_kv(n, generator)
             queries = queries_for(n, generator) if queries_for is not None and prompt is None else None
             shown = storage.update(keys, values, queries)
             oracle.update(keys, values)
@@ -196,11 +188,7 @@ def test_sink_selection_matches_oracle_on_every_storage(storage, sink, window, p
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize(
     "policy,kwargs,budget",
-    [
-        ("chunk", {"chunk_size": 4}, 12),
-        ("streaming", {"num_sink_tokens": 2}, 9),
-        ("snapkv", {"window_size": 3}, 10),
-    ],
+    BUDGET_POLICIES,
 )
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(window=st.integers(1, 12), prefill=st.integers(1, 60), ops=operations, seed=st.integers(0, 2**16))
@@ -218,7 +206,7 @@ def test_budget_selection_matches_oracle_on_every_storage(
 
 def test_budget_selection_is_the_policy_on_the_prefix():
     generator = torch.Generator().manual_seed(0)
-    keys, values = _kv(50, generator)
+    keys, values = random_kv(50, generator)
     policy = get_policy("chunk", chunk_size=4)
     layer = DraftLayer(BudgetSelection(16, policy), window_length=8, slack=4)
     layer.update(keys, values)
@@ -232,8 +220,8 @@ def test_budget_selection_is_the_policy_on_the_prefix():
 def test_crop_beyond_slack_raises_and_leaves_cache_intact(layer_class):
     generator = torch.Generator().manual_seed(0)
     layer = layer_class(SinkSelection(2), window_length=8, slack=4)
-    layer.update(*_kv(40, generator))
-    layer.update(*_kv(4, generator), kwargs={})
+    layer.update(*random_kv(40, generator))
+    layer.update(*random_kv(4, generator), kwargs={})
     if layer_class is StaticDraftLayer:  # a step hands its mask to attention
         assert layer.consume_key_mask().shape == (1, 1, 4, layer.num_slots)
     with pytest.raises(ValueError, match="larger `slack`"):
@@ -248,7 +236,7 @@ def test_crop_beyond_slack_raises_and_leaves_cache_intact(layer_class):
 @pytest.mark.parametrize("layer_class", [DraftLayer, StaticDraftLayer])
 def test_budgeted_refuses_to_crop_into_compressed_prefix(layer_class):
     layer = layer_class(BudgetSelection(16, "streaming"), window_length=8, slack=4)
-    layer.update(*_kv(40, torch.Generator().manual_seed(0)))
+    layer.update(*random_kv(40, torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match="compressed prefix"):
         layer.crop(-1)
     assert int(layer.get_seq_length()) == 40

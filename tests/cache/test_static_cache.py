@@ -15,6 +15,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from draft_cache_cases import BUDGET_POLICIES, DIM, HEADS, SLACK, random_kv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import model_pair, random_prompt, tiny_config
@@ -32,7 +33,7 @@ from hf_budgetdraft.cache import BudgetSelection, DraftLayer, SinkSelection, Sta
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HEADS, GROUPS, DIM, SLACK = 2, 2, 4, 6
+GROUPS = 2
 
 
 operations = st.lists(
@@ -43,13 +44,6 @@ operations = st.lists(
         lambda crops: [(kind, n, crop) for (kind, n), crop in zip(ops, crops, strict=True)]
     )
 )
-
-
-def _kv(n, generator):
-    return (
-        torch.randn(1, HEADS, n, DIM, generator=generator),
-        torch.randn(1, HEADS, n, DIM, generator=generator),
-    )
 
 
 def _attend(query, keys, values, mask=None):
@@ -80,7 +74,7 @@ def run_pair(dynamic, static, prefill, ops, seed, queries_for=None):
     for index, (kind, n, crop) in enumerate([("update", prefill, 0), *ops]):
         tokens = 1 if kind == "step" else n
         for _ in range(n if kind == "step" else 1):
-            keys, values = _kv(tokens, generator)
+            keys, values = random_kv(tokens, generator)
             sizes_dynamic, sizes_static = dynamic.get_mask_sizes(tokens), static.get_mask_sizes(tokens)
             out_dynamic = dynamic.update(keys, values)
             attention_kwargs = {}
@@ -143,11 +137,7 @@ def test_static_sink_window_layer_matches_dynamic(sink, window, prefill, ops, se
 
 @pytest.mark.parametrize(
     "policy,kwargs,budget",
-    [
-        ("chunk", {"chunk_size": 4}, 12),
-        ("streaming", {"num_sink_tokens": 2}, 9),
-        ("snapkv", {"window_size": 3}, 10),
-    ],
+    BUDGET_POLICIES,
 )
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(window=st.integers(1, 12), prefill=st.integers(1, 40), ops=operations, seed=st.integers(0, 2**16))
@@ -395,7 +385,7 @@ def test_skipping_what_the_window_drops_changes_nothing_a_query_reads(
     whole, skipping = (layer_class(SinkSelection(sink), window_length=window, slack=SLACK) for _ in range(2))
     generator = torch.Generator().manual_seed(seed)
     head = max(sink, 1)
-    keys, values = _kv(head + skipped + window + extra, generator)
+    keys, values = random_kv(head + skipped + window + extra, generator)
 
     def feed(layer, k, v):
         attention_kwargs = {}
@@ -410,7 +400,7 @@ def test_skipping_what_the_window_drops_changes_nothing_a_query_reads(
     feed(skipping, keys[:, :, head + skipped :], values[:, :, head + skipped :])
     assert int(skipping.get_seq_length()) == int(whole.get_seq_length())
     for tokens in steps:
-        new = _kv(tokens, generator)
+        new = random_kv(tokens, generator)
         shown = []  # per layer: for each new query, the keys and values it reads, in position order
         for layer in (whole, skipping):
             (k, v), mask = feed(layer, *new)
@@ -428,16 +418,16 @@ def test_skip_errors_teach(layer_class):
     layer = layer_class(SinkSelection(4), window_length=8, slack=SLACK)
     with pytest.raises(ValueError, match="store the sink"):
         layer.skip(5)
-    layer.update(*_kv(3, torch.Generator().manual_seed(0)), kwargs={})
+    layer.update(*random_kv(3, torch.Generator().manual_seed(0)), kwargs={})
     with pytest.raises(ValueError, match="store the sink"):  # the sink is not full yet
         layer.skip(5)
-    layer.update(*_kv(9, torch.Generator().manual_seed(1)))
+    layer.update(*random_kv(9, torch.Generator().manual_seed(1)))
     layer.skip(20)
     with pytest.raises(ValueError, match="never stored"):
         layer.crop(-1)  # back before the skipped positions
     with pytest.raises(ValueError, match="count of positions"):
         layer.skip(-1)
     layer.reset()  # a reset cache starts over: crops are bounded by its own contents again
-    layer.update(*_kv(9, torch.Generator().manual_seed(2)))
+    layer.update(*random_kv(9, torch.Generator().manual_seed(2)))
     layer.crop(-3)
     assert int(layer.get_seq_length()) == 6
