@@ -12,7 +12,13 @@ Both read the target's training mix (text, passkeys, repeated spans) with PoSE p
 relative distances while sequences stay short. Making the drafter robust to sparse caches is the BudgetDraft
 trainer's job (`hf-budgetdraft train`). Resumable: `--resume`.
 
+For a target that copies (`train_far_target.py`), `--induction-minutes M` first trains the drafter alone on the
+induction phase's `repeat` rows (`induction_phase.py`, rows from `--far-data`): distillation alone leaves a small
+drafter on the plateau before copying, so it drafts none of what the target copies, at any KV budget.
+
     python scripts/train_drafts.py --target runs/target/checkpoint --out runs/drafts --threads 2 [--resume]
+    python scripts/train_drafts.py --target runs/far/model --out runs/far_drafts --induction-minutes 6 \
+        --length 1024 --batch 4
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import json
 import time
 from pathlib import Path
 
+import far_target_data
+import induction_phase
 import torch
 import torch.nn.functional as F
 from train_target import MTP_MOE, Sampler, lr_at
@@ -104,7 +112,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--resume", action="store_true")
-    return parser.parse_args()
+    parser.add_argument(
+        "--far-data",
+        type=Path,
+        default=Path("data/far"),
+        help="token streams of `train_far_target.py prepare`: the induction phase's rows",
+    )
+    parser.add_argument(
+        "--far-mix",
+        help="distil on the far target's rows from --far-data instead (weights text/copy/fact/repeat, e.g. 4/4/2/1)",
+    )
+    induction_phase.add_arguments(parser, minutes=0.0)
+    parser.add_argument("--log-every", type=int, default=50, help="steps between induction-phase log lines")
+    args = parser.parse_args()
+    induction_phase.check_arguments(parser, args)
+    if args.far_mix:
+        weights = [float(w) for w in args.far_mix.split("/")]
+        if len(weights) != len(far_target_data.KINDS) or min(weights) < 0 or sum(weights) <= 0:
+            parser.error(
+                f"--far-mix takes {len(far_target_data.KINDS)} non-negative weights, got {args.far_mix}"
+            )
+        args.far_mix = weights
+    return args
 
 
 def distill_step(
@@ -130,6 +159,39 @@ def distill_step(
         agreement(draft, teacher),
         agreement(mtp_draft, teacher[:, 1:]),
     )
+
+
+class FarRows:
+    """The far target's rows (`far_target_data.Rows`: text, passages seen again, facts recalled, repeats) drawn in
+    `Sampler.sample`'s shape, positions from 0 (no PoSE skip: these rows teach distance by their length)."""
+
+    def __init__(self, tokenizer, data: Path, seed: int, weights: list[float]):
+        self.rows = far_target_data.Rows(tokenizer, far_target_data.load_tokens(data, "train"), seed)
+        self.rng, self.weights = self.rows.rng, weights
+
+    def sample(self, length: int, _mix) -> tuple[str, list[int], list[int], list[int]]:
+        kind = self.rng.choices(far_target_data.KINDS, weights=self.weights)[0]
+        ids, mask = self.rows.sample(length, kind)
+        return kind, ids, list(range(len(ids))), mask
+
+
+def form_copying_head(drafter, tokenizer, args) -> dict:
+    """The induction phase (`induction_phase.py`) for the drafter alone, before distillation: a drafter distilled
+    from a target that copies does not itself learn to copy within the distillation's steps (the plateau), so it
+    is first trained on `repeat` rows (cross-entropy on the copy, which is what such a target predicts there).
+    Logged to `<out>/induction.jsonl`; returns the phase's record, also written to `<out>/induction.json`."""
+    rows = far_target_data.Rows(tokenizer, far_target_data.load_tokens(args.far_data, "train"), args.seed)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    with open(args.out / "induction.jsonl", "a") as log:
+
+        def write(record: dict) -> None:
+            print(json.dumps(record), flush=True)
+            log.write(json.dumps(record) + "\n")
+
+        record = induction_phase.induce(drafter, optimizer, rows, args, torch.device("cpu"), write)
+    (args.out / "induction.json").write_text(json.dumps(record, indent=2))
+    print(f"induction phase: {json.dumps(record)}", flush=True)
+    return record
 
 
 def save_checkpoint(checkpoint: Path, drafter, mtp, optimizer, step: int, sampler) -> None:
@@ -172,7 +234,11 @@ def main() -> None:
     )
     parameters = list(drafter.parameters()) + list(mtp.layers.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    sampler = Sampler(tokenizer, args.corpus, args.max_position, args.seed)
+    sampler = (
+        FarRows(tokenizer, args.far_data, args.seed, args.far_mix)
+        if args.far_mix
+        else Sampler(tokenizer, args.corpus, args.max_position, args.seed)
+    )
     step = 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -181,6 +247,8 @@ def main() -> None:
         print(f"resumed at step {step}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.induction_minutes > 0 and state is None:
+        form_copying_head(drafter, tokenizer, args)
     started, history = time.time(), []
     while step < args.steps:
         # every position is distilled (KL to the target's distribution), so the samples' loss masks are unused

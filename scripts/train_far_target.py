@@ -9,12 +9,15 @@
 Why: the bundled target (`train_target.py`, 2-core CPU) never formed induction heads and retrieves only its
 trained passkey format, so a draft's KV budget barely changes what it can predict. A GPU sees tens of times the
 tokens those runs did, but a copying head forms after a plateau counted in optimizer steps, shorter on short rows
-and on a small alphabet (`benchmarks/results/far_target/`). So the run starts with an induction phase (`Phase`):
-rows of 32 random tokens with a segment written twice, many small steps, the alphabet widened as their loss falls.
-Then the rows (`far_target_data.py`): natural text, passages that reappear 64 to 8K tokens after they were seen
-(scored on the reappearance), facts in invented wordings recalled at the row's end (scored on the answer) and some
-of the induction rows; a curriculum of row lengths over the time left (`--lengths`), short rows first, then long
-ones, where copying must reach far.
+and on a small alphabet (`benchmarks/results/far_target/`). So the run starts with an induction phase
+(`induction_phase.py`): rows of 32 random tokens with a segment written twice, many small steps, the alphabet
+widened as their loss falls.
+Then the rows (`far_target_data.py`): natural text, passages that reappear 64 tokens to a whole row after they
+were seen (scored on the reappearance), facts in invented wordings recalled at the row's end (scored on the
+answer) and some of the induction rows; a curriculum of row lengths over the time left (`--lengths`), short rows
+first, then long ones, where copying must reach far. The longest rows (16K) outrun the farthest distance the
+goals ask for (8K, plus the passage): copying holds to about the trained row length and not beyond (a CPU run at
+rows of 2K, `benchmarks/results/far_target/`).
 
 Model: the bundled target's family (`train_target.target_config`: GLM-4 dense layers, partial RoPE with base 1e4
 on half of each head, one MTP layer slot), wider and deeper (`--hidden`, `--layers`; ~17M parameters by default).
@@ -42,6 +45,7 @@ from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import far_target_data as data  # noqa: E402
+import induction_phase  # noqa: E402
 from train_target import target_config  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "hf_budgetdraft" / "demo" / "tokenizer"
@@ -54,8 +58,6 @@ SMOKE = dict(
     seconds=10.0,
     induction_minutes=0.05,
 )
-INDUCTION_WINDOW = 20
-POOL_GROWTH = 4
 
 
 def length_at(fraction: float, schedule: str) -> int:
@@ -76,83 +78,11 @@ def lr_at(fraction: float, peak: float, warmup: float = 0.03, floor: float = 0.1
     return peak * (floor + (1 - floor) * cosine)
 
 
-class Phase:
-    """The schedule: an induction phase, then the main one over the time left.
-
-    Induction: `repeat` rows only (`far_target_data`), short (`--induction-length`) and many steps of few tokens,
-    their alphabet drawn from the `--induction-pool` (64) most frequent tokens first; each time the mean `repeat`
-    loss of the last `INDUCTION_WINDOW` steps falls below `--induction-until` the pool grows `POOL_GROWTH`-fold, and
-    once it was met on the whole vocabulary (a copying head formed) or `--induction-minutes` passed, the phase ends.
-    Forming a copying head is a plateau counted in optimizer steps, not tokens, shorter on short rows and on a small
-    alphabet, so this phase buys steps cheaply. Main: `--lengths` over the time left, `--mix` (which keeps some
-    `repeat` rows, over the whole vocabulary), warm-up then cosine.
-    """
-
-    def __init__(self, args, rows: data.Rows):
-        self.args, self.rows, self.losses = args, rows, []
-        self.full_pool = rows.repeat_pool
-        self.main_from = None if args.induction_minutes > 0 else 0.0  # seconds; None while inducing
-        if self.main_from is None:
-            rows.repeat_pool = min(args.induction_pool, self.full_pool)
-        self.induction = dict(steps=0, seconds=0.0, formed=False, loss=None, pools={})
-
-    @property
-    def name(self) -> str:
-        return "induction" if self.main_from is None else "main"
-
-    def at(self, elapsed: float) -> tuple[int, int, float, list[float]]:
-        """`(row length, rows, learning rate, kind weights)` of the step starting at `elapsed` seconds."""
-        args = self.args
-        if self.main_from is None and elapsed >= args.induction_minutes * 60:
-            self._end(elapsed)
-        if self.main_from is None:
-            fraction = elapsed / (args.induction_minutes * 60)
-            mix = [float(kind == "repeat") for kind in data.KINDS]
-            return (
-                args.induction_length,
-                args.induction_rows,
-                lr_at(fraction, args.lr, warmup=0.1, floor=1.0),
-                mix,
-            )
-        fraction = (elapsed - self.main_from) / max(args.seconds - self.main_from, 1e-9)
-        length = length_at(fraction, args.lengths)
-        return length, max(1, args.step_tokens // length), lr_at(fraction, args.lr), args.mix_weights
-
-    def observe(self, loss: float, elapsed: float) -> None:
-        """Count a step's loss: while inducing, every row is a `repeat` row, so it is their loss."""
-        if self.main_from is not None:
-            return
-        self.induction["steps"] += 1
-        self.losses = [*self.losses[-(INDUCTION_WINDOW - 1) :], loss]
-        mean = sum(self.losses) / len(self.losses)
-        self.induction["loss"] = round(mean, 4)
-        if len(self.losses) < INDUCTION_WINDOW or mean >= self.args.induction_until:
-            return
-        self.induction["pools"][self.rows.repeat_pool] = self.induction["steps"]  # pool: steps to learn it
-        if self.rows.repeat_pool >= self.full_pool:
-            self.induction["formed"] = True
-            self._end(elapsed)
-        else:
-            self.rows.repeat_pool, self.losses = min(self.full_pool, self.rows.repeat_pool * POOL_GROWTH), []
-
-    def _end(self, elapsed: float) -> None:
-        self.main_from, self.rows.repeat_pool = elapsed, self.full_pool
-        self.induction["seconds"] = round(elapsed, 1)
-
-
-def train_step(model, optimizer, ids, mask, device) -> tuple[float, torch.Tensor]:
-    """One step on `ids (B, L + 1)` scored where `mask (B, L)` says; `(loss, per-row losses (B,))`."""
-    ids, mask = ids.to(device), mask.to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        logits = model(input_ids=ids[:, :-1]).logits
-    losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
-    rows = (losses * mask).sum(1) / mask.sum(1).clamp(min=1)  # every row weighs the same
-    loss = rows.mean()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach()), rows.detach()
+def main_step(args, fraction: float) -> tuple[int, int, float]:
+    """`(row length, rows, learning rate)` of the main schedule's step at `fraction` of its time (what the
+    induction phase left of `--minutes`): `--lengths`, `--step-tokens` a step, warm-up then cosine."""
+    length = length_at(fraction, args.lengths)
+    return length, max(1, args.step_tokens // length), lr_at(fraction, args.lr)
 
 
 def save(model, out: Path) -> None:
@@ -179,36 +109,45 @@ def train(args) -> dict:
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     rows = data.Rows(tokenizer, data.load_tokens(args.data, "train"), args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    log = (args.out / "log.jsonl").open("a")
+    log_file = (args.out / "log.jsonl").open("a")
+
+    def log(record: dict) -> None:
+        record["tokens_per_s"] = round(record["tokens"] / max(record["seconds"], 1e-9))
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        print(record, flush=True)
+
     start = last_save = time.perf_counter()
-    phase = Phase(args, rows)
-    step, tokens = 0, 0
+    induction = dict(steps=0, seconds=0.0, formed=False, loss=None, pools={})
+    if args.induction_minutes > 0:
+        induction = induction_phase.induce(model, optimizer, rows, args, device, log)
+    main_from = time.perf_counter() - start
+    step, tokens = induction["steps"], induction["steps"] * args.induction_rows * (args.induction_length + 1)
     while (elapsed := time.perf_counter() - start) < args.seconds:
-        length, rows_per_step, lr, mix = phase.at(elapsed)
+        length, rows_per_step, lr = main_step(
+            args, (elapsed - main_from) / max(args.seconds - main_from, 1e-9)
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, mask, kinds = rows.batch(rows_per_step, length, mix)
-        loss, per_row = train_step(model, optimizer, ids, mask, device)
+        ids, mask, kinds = rows.batch(rows_per_step, length, args.mix_weights)
+        loss, per_row = induction_phase.train_step(model, optimizer, ids, mask, device)
         step, tokens = step + 1, tokens + ids.numel()
-        phase.observe(loss, elapsed)
         if step % args.log_every == 0:
             by_kind = {
                 k: float(per_row[[i for i, x in enumerate(kinds) if x == k]].mean()) for k in set(kinds)
             }
-            record = dict(
-                step=step,
-                seconds=round(elapsed, 1),
-                phase=phase.name,
-                repeat_pool=rows.repeat_pool,
-                length=length,
-                loss=loss,
-                by_kind=by_kind,
-                tokens=tokens,
-                tokens_per_s=round(tokens / max(elapsed, 1e-9)),
+            log(
+                dict(
+                    step=step,
+                    seconds=round(elapsed, 1),
+                    phase="main",
+                    repeat_pool=rows.repeat_pool,
+                    length=length,
+                    loss=loss,
+                    by_kind=by_kind,
+                    tokens=tokens,
+                )
             )
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            print(record, flush=True)
         if time.perf_counter() - last_save > args.save_minutes * 60:
             save(model, args.out)
             last_save = time.perf_counter()
@@ -217,7 +156,7 @@ def train(args) -> dict:
         steps=step,
         tokens=tokens,
         seconds=round(time.perf_counter() - start, 1),
-        induction=phase.induction,
+        induction=induction,
         parameters=parameters,
         device=str(device),
         args={k: str(v) for k, v in vars(args).items()},
@@ -245,22 +184,11 @@ def parse(argv=None):
     run.add_argument(
         "--step-tokens", type=int, default=65536, help="tokens a step (rows = this / row length)"
     )
-    run.add_argument("--lengths", default="0:512,0.25:2048,0.55:8192", help="from-fraction:row-length")
+    run.add_argument(
+        "--lengths", default="0:512,0.2:2048,0.45:8192,0.75:16384", help="from-fraction:row-length"
+    )
     run.add_argument("--mix", default="4/4/2/1", help="weights of the row kinds text/copy/fact/repeat")
-    run.add_argument(
-        "--induction-minutes", type=float, default=2.0, help="cap of the induction phase (0: none)"
-    )
-    run.add_argument("--induction-length", type=int, default=32, help="row length of the induction phase")
-    run.add_argument("--induction-rows", type=int, default=64, help="rows a step of the induction phase")
-    run.add_argument(
-        "--induction-pool",
-        type=int,
-        default=64,
-        help="the induction rows' first token pool (the vocabulary: no widening)",
-    )
-    run.add_argument(
-        "--induction-until", type=float, default=1.0, help="repeat loss that ends the induction phase early"
-    )
+    induction_phase.add_arguments(run, minutes=2.0)
     run.add_argument("--lr", type=float, default=2e-3)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--log-every", type=int, default=10)
@@ -277,12 +205,7 @@ def parse(argv=None):
             parser.error("--minutes must be in (0, 60] and --step-tokens in [64, 4M]")
         if not 0 <= args.induction_minutes * 60 < args.seconds:
             parser.error(f"--induction-minutes must be in [0, --minutes), got {args.induction_minutes}")
-        if not 16 <= args.induction_length <= 4096 or not 1 <= args.induction_rows <= 4096:
-            parser.error("--induction-length must be in [16, 4096] and --induction-rows in [1, 4096]")
-        if args.induction_pool < data.REPEAT_ALPHABET:
-            parser.error(
-                f"--induction-pool must be at least {data.REPEAT_ALPHABET}, got {args.induction_pool}"
-            )
+        induction_phase.check_arguments(parser, args)
         args.mix_weights = [float(w) for w in args.mix.split("/")]
         if (
             len(args.mix_weights) != len(data.KINDS)

@@ -10,7 +10,7 @@ import far_target_data as data
 import pytest
 import torch
 from repo_paths import SCRIPTS
-from transformers import AutoTokenizer, Glm4MoeForCausalLM
+from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.models import DEMO_DIR
@@ -120,27 +120,61 @@ def test_a_training_smoke_saves_shards_that_load(tokenizer, corpus, tmp_path):
 
 
 def test_the_induction_phase_widens_the_alphabet_and_ends_once_copying_formed(tokenizer):
+    import induction_phase
     import train_far_target as script
 
     args = script.parse(["train", "--out", "o", "--minutes", "10", "--induction-minutes", "2"])
     rows = data.Rows(tokenizer, torch.arange(300).repeat(2), seed=0)
-    phase = script.Phase(args, rows)
-    assert phase.at(0.0)[:2] == (32, 64) and phase.name == "induction" and rows.repeat_pool == 64
+    phase = induction_phase.Induction(args, rows)
+    assert rows.repeat_pool == 64 and not phase.done
     assert set(rows.sample(32, "repeat")[0]) <= set(rows.by_frequency[:64])
-    for _ in range(3 * script.INDUCTION_WINDOW):
+    for _ in range(3 * induction_phase.WINDOW):
         phase.observe(2.0, 10.0)  # not yet copying: the pool stays
-    assert rows.repeat_pool == 64 and phase.induction["loss"] == 2.0
+    assert rows.repeat_pool == 64 and phase.record["loss"] == 2.0
     for pool in (64, 256, 300):  # 300 tokens in all
-        assert rows.repeat_pool == pool and phase.name == "induction"
-        for _ in range(script.INDUCTION_WINDOW):
+        assert rows.repeat_pool == pool and not phase.done
+        for _ in range(induction_phase.WINDOW):
             phase.observe(0.5, 30.0)
-    assert phase.name == "main" and phase.induction["formed"] and phase.induction["seconds"] == 30.0
+    assert phase.done and phase.record["formed"] and phase.record["seconds"] == 30.0
     # the window slides: 14 steps at 0.5 bring the mean of the last 20 below 1.0; a wider pool starts a new window
-    assert phase.induction["pools"] == {64: 74, 256: 94, 300: 114} and rows.repeat_pool == 300
-    length, count, lr, mix = phase.at(30.0)
-    assert length == 512 and count == 128 and lr == 0.0 and mix == [4.0, 4.0, 2.0, 1.0]
-    capped = script.Phase(args, rows)
-    assert capped.at(120.0)[0] == 512 and capped.name == "main" and not capped.induction["formed"]
+    assert phase.record["pools"] == {64: 74, 256: 94, 300: 114} and rows.repeat_pool == 300
+    capped = induction_phase.Induction(args, rows)
+    capped.end(120.0)
+    assert capped.done and not capped.record["formed"]
     assert rows.repeat_pool == 300  # the main phase's repeat rows draw from the whole vocabulary
+    assert script.main_step(args, 0.0) == (512, 128, 0.0)
+    assert script.main_step(args, 0.6)[:2] == (8192, 8) and 0 < script.main_step(args, 0.6)[2] < args.lr
+    assert script.main_step(args, 0.8)[:2] == (16384, 4)  # rows longer than the farthest probe (8K + passage)
     with pytest.raises(SystemExit):
         script.parse(["train", "--out", "o", "--mix", "1/1/1"])
+
+
+def test_the_induction_phase_trains_a_drafter_and_logs_its_steps(tokenizer, monkeypatch):
+    """`train_drafts.py --induction-minutes M` runs the same phase on its drafter (any causal LM) first."""
+    import induction_phase
+    import train_drafts
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    drafter = LlamaForCausalLM(config)
+    before = [p.detach().clone() for p in drafter.parameters()]
+    monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", "--induction-minutes", "0.01"])
+    args = train_drafts.parse_args()
+    args.induction_rows, args.log_every = 4, 1
+    rows = data.Rows(tokenizer, torch.arange(300).repeat(2), seed=0)
+    records = []
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr)
+    record = induction_phase.induce(drafter, optimizer, rows, args, torch.device("cpu"), records.append)
+    assert record["steps"] == len(records) >= 1 and not record["formed"] and record["seconds"] >= 0.6
+    assert all(r["phase"] == "induction" and r["length"] == 32 and r["repeat_pool"] == 64 for r in records)
+    assert rows.repeat_pool == 300  # restored for what follows
+    assert any(not torch.equal(a, b) for a, b in zip(before, drafter.parameters(), strict=True))
+    monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", "--induction-pool", "8"])
+    with pytest.raises(SystemExit):
+        train_drafts.parse_args()
