@@ -10,7 +10,7 @@
 
 Both read the target's training mix (text, passkeys, repeated spans) with PoSE position skips, so both see long
 relative distances while sequences stay short. Making the drafter robust to sparse caches is the BudgetDraft
-trainer's job (`hf-budgetdraft train`). Resumable: `--resume`.
+trainer's job (`hf-budgetdraft train`). Resumable: `--resume`. Runs on CUDA when there is one (bf16 autocast).
 
 For a target that copies (`train_far_target.py`), `--induction-minutes M` first trains the drafter alone on the
 induction phase's `repeat` rows (`induction_phase.py`, rows from `--far-data`): distillation alone leaves a small
@@ -142,10 +142,10 @@ def distill_step(
     """One optimizer step of the drafter and the MTP layer towards the target's distribution at every position of
     `ids` `(B, L)`; `(drafter KL, MTP KL, drafter top-1 agreement, MTP top-1 agreement)`."""
     mask = torch.ones_like(ids)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
         out = target(input_ids=ids, position_ids=positions, attention_mask=mask, output_hidden_states=True)
     teacher, hidden = out.logits, out.hidden_states[-1]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
         draft = drafter(input_ids=ids, position_ids=positions, attention_mask=mask).logits
         mtp_draft = mtp_logits(mtp, ids[:, 1:], hidden[:, :-1], positions[:, 1:])
     drafter_loss, mtp_loss = kl(draft, teacher), kl(mtp_draft, teacher[:, 1:])
@@ -175,7 +175,7 @@ class FarRows:
         return kind, ids, list(range(len(ids))), mask
 
 
-def form_copying_head(drafter, tokenizer, args) -> dict:
+def form_copying_head(drafter, tokenizer, args, device: torch.device) -> dict:
     """The induction phase (`induction_phase.py`) for the drafter alone, before distillation: a drafter distilled
     from a target that copies does not itself learn to copy within the distillation's steps (the plateau), so it
     is first trained on `repeat` rows (cross-entropy on the copy, which is what such a target predicts there).
@@ -188,7 +188,7 @@ def form_copying_head(drafter, tokenizer, args) -> dict:
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")
 
-        record = induction_phase.induce(drafter, optimizer, rows, args, torch.device("cpu"), write)
+        record = induction_phase.induce(drafter, optimizer, rows, args, device, write)
     (args.out / "induction.json").write_text(json.dumps(record, indent=2))
     print(f"induction phase: {json.dumps(record)}", flush=True)
     return record
@@ -222,7 +222,7 @@ def main() -> None:
     mtp = new_mtp_head(target)
     state = None
     if args.resume and (checkpoint / "state.pt").exists():
-        state = torch.load(checkpoint / "state.pt", weights_only=False)
+        state = torch.load(checkpoint / "state.pt", weights_only=False, map_location="cpu")
         drafter.load_state_dict(state["drafter"])
         mtp.layers.load_state_dict(state["mtp_layers"])
     drafter.train()
@@ -232,6 +232,9 @@ def main() -> None:
         f"{sum(p.numel() for p in mtp.layers.parameters()) / 1e6:.2f}M",
         flush=True,
     )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for model in (target, drafter, mtp):
+        model.to(device)
     parameters = list(drafter.parameters()) + list(mtp.layers.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sampler = (
@@ -248,14 +251,14 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.induction_minutes > 0 and state is None:
-        form_copying_head(drafter, tokenizer, args)
+        form_copying_head(drafter, tokenizer, args, device)
     started, history = time.time(), []
     while step < args.steps:
         # every position is distilled (KL to the target's distribution), so the samples' loss masks are unused
         _, rows, row_positions, _ = zip(
             *(sampler.sample(args.length, TRAINING_MIX) for _ in range(args.batch)), strict=True
         )
-        ids, positions = torch.tensor(rows)[:, :-1], torch.tensor(row_positions)[:, :-1]
+        ids, positions = torch.tensor(rows)[:, :-1].to(device), torch.tensor(row_positions)[:, :-1].to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         history.append(distill_step(target, drafter, mtp, ids, positions, optimizer, parameters))
@@ -271,6 +274,8 @@ def main() -> None:
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(checkpoint, drafter, mtp, optimizer, step, sampler)
 
+    for model in (target, drafter, mtp):
+        model.cpu()
     drafter.eval().save_pretrained(args.out / "drafter", safe_serialization=True)
     tokenizer.save_pretrained(args.out / "drafter")
     save_pretrained_with_mtp(expose_mtp_layers(target), mtp.eval(), args.out / "target_with_mtp")

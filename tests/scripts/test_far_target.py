@@ -178,3 +178,31 @@ def test_the_induction_phase_trains_a_drafter_and_logs_its_steps(tokenizer, monk
     monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", "--induction-pool", "8"])
     with pytest.raises(SystemExit):
         train_drafts.parse_args()
+
+
+def test_train_drafts_distils_a_drafter_from_a_far_target_after_its_induction_phase(
+    tokenizer, corpus, tmp_path
+):
+    """`train_drafts.py --induction-minutes M --far-mix ...`, tiny, end to end: the phase's log, distillation
+    steps on the far rows, a drafter and a target with its MTP layer saved that load."""
+    from train_target import MTP_MOE, target_config
+
+    data.prepare(tokenizer, corpus, tmp_path / "data")
+    target = Glm4MoeForCausalLM(target_config(tokenizer, 512, hidden=32, layers=2, heads=2))
+    target.config.update(MTP_MOE)
+    target.save_pretrained(tmp_path / "target")
+    out = tmp_path / "drafts"
+    command = [sys.executable, str(SCRIPTS / "train_drafts.py"), "--target", str(tmp_path / "target")]
+    command += ["--out", str(out), "--far-data", str(tmp_path / "data"), "--far-mix", "1/1/1/1"]
+    command += ["--induction-minutes", "0.02", "--induction-rows", "4", "--log-every", "1"]
+    command += ["--steps", "20", "--length", "64", "--batch", "2", "--warmup", "2", "--save-every", "10"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    induction = [json.loads(line) for line in (out / "induction.jsonl").read_text().splitlines()]
+    assert induction and all(r["phase"] == "induction" for r in induction)
+    assert json.loads((out / "induction.json").read_text())["steps"] == len(induction)
+    distilled = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in distilled] == [20] and distilled[0]["drafter_kl"] > 0
+    drafter = LlamaForCausalLM.from_pretrained(out / "drafter", use_safetensors=True)
+    assert drafter(torch.tensor([[1, 2, 3]])).logits.shape[-1] == len(tokenizer)
+    assert (out / "target_with_mtp" / "config.json").exists()
