@@ -59,6 +59,17 @@ SYLLABLES = (
 )
 
 
+def parse_mix(text: str) -> list[float]:
+    """Weights of `KINDS` from `"4/4/2/1"`; `ValueError` unless there is one non-negative weight per kind, not all 0."""
+    try:
+        weights = [float(w) for w in text.split("/")]
+    except ValueError:
+        weights = []
+    if len(weights) != len(KINDS) or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"the mix takes {len(KINDS)} non-negative weights ({'/'.join(KINDS)}), got {text!r}")
+    return weights
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 

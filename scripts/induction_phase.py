@@ -103,8 +103,9 @@ def train_step(model, optimizer, ids, mask, device) -> tuple[float, torch.Tensor
 
 
 def induce(model, optimizer, rows: data.Rows, args, device, log) -> dict:
-    """Train `model` on `repeat` rows until copying formed or the cap passed; `log(record)` every `--log-every`
-    steps (`step, seconds, phase, repeat_pool, length, loss, by_kind, tokens`). Returns the phase's record."""
+    """Train `model` on `repeat` rows until copying formed or the cap passed (a cap of 0: no step); `log(record)`
+    every `--log-every` steps (`step, seconds, phase, repeat_pool, length, loss, by_kind, tokens`). Returns the
+    phase's record."""
     induction, cap = Induction(args, rows), args.induction_minutes * 60
     start, tokens = time.perf_counter(), 0
     while not induction.done:

@@ -127,12 +127,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     induction_phase.check_arguments(parser, args)
     if args.far_mix:
-        weights = [float(w) for w in args.far_mix.split("/")]
-        if len(weights) != len(far_target_data.KINDS) or min(weights) < 0 or sum(weights) <= 0:
-            parser.error(
-                f"--far-mix takes {len(far_target_data.KINDS)} non-negative weights, got {args.far_mix}"
-            )
-        args.far_mix = weights
+        try:
+            args.far_mix = far_target_data.parse_mix(args.far_mix)
+        except ValueError as error:
+            parser.error(f"--far-mix: {error}")
     return args
 
 
@@ -165,9 +163,8 @@ class FarRows:
     """The far target's rows (`far_target_data.Rows`: text, passages seen again, facts recalled, repeats) drawn in
     `Sampler.sample`'s shape, positions from 0 (no PoSE skip: these rows teach distance by their length)."""
 
-    def __init__(self, tokenizer, data: Path, seed: int, weights: list[float]):
-        self.rows = far_target_data.Rows(tokenizer, far_target_data.load_tokens(data, "train"), seed)
-        self.rng, self.weights = self.rows.rng, weights
+    def __init__(self, rows: far_target_data.Rows, weights: list[float]):
+        self.rows, self.rng, self.weights = rows, rows.rng, weights
 
     def sample(self, length: int, _mix) -> tuple[str, list[int], list[int], list[int]]:
         kind = self.rng.choices(far_target_data.KINDS, weights=self.weights)[0]
@@ -175,12 +172,11 @@ class FarRows:
         return kind, ids, list(range(len(ids))), mask
 
 
-def form_copying_head(drafter, tokenizer, args, device: torch.device) -> dict:
+def form_copying_head(drafter, rows: far_target_data.Rows, args, device: torch.device) -> dict:
     """The induction phase (`induction_phase.py`) for the drafter alone, before distillation: a drafter distilled
     from a target that copies does not itself learn to copy within the distillation's steps (the plateau), so it
     is first trained on `repeat` rows (cross-entropy on the copy, which is what such a target predicts there).
     Logged to `<out>/induction.jsonl`; returns the phase's record, also written to `<out>/induction.json`."""
-    rows = far_target_data.Rows(tokenizer, far_target_data.load_tokens(args.far_data, "train"), args.seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     with open(args.out / "induction.jsonl", "a") as log:
 
@@ -237,8 +233,13 @@ def main() -> None:
         model.to(device)
     parameters = list(drafter.parameters()) + list(mtp.layers.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    inducing = args.induction_minutes > 0 and state is None
+    far_rows = None
+    if inducing or args.far_mix:  # one token stream for the induction rows and the distillation rows
+        tokens = far_target_data.load_tokens(args.far_data, "train")
+        far_rows = far_target_data.Rows(tokenizer, tokens, args.seed)
     sampler = (
-        FarRows(tokenizer, args.far_data, args.seed, args.far_mix)
+        FarRows(far_rows, args.far_mix)
         if args.far_mix
         else Sampler(tokenizer, args.corpus, args.max_position, args.seed)
     )
@@ -250,8 +251,8 @@ def main() -> None:
         print(f"resumed at step {step}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.induction_minutes > 0 and state is None:
-        form_copying_head(drafter, tokenizer, args, device)
+    if inducing:
+        form_copying_head(drafter, far_rows, args, device)
     started, history = time.time(), []
     while step < args.steps:
         # every position is distilled (KL to the target's distribution), so the samples' loss masks are unused

@@ -118,9 +118,7 @@ def train(args) -> dict:
         print(record, flush=True)
 
     start = last_save = time.perf_counter()
-    induction = dict(steps=0, seconds=0.0, formed=False, loss=None, pools={})
-    if args.induction_minutes > 0:
-        induction = induction_phase.induce(model, optimizer, rows, args, device, log)
+    induction = induction_phase.induce(model, optimizer, rows, args, device, log)
     main_from = time.perf_counter() - start
     step, tokens = induction["steps"], induction["steps"] * args.induction_rows * (args.induction_length + 1)
     while (elapsed := time.perf_counter() - start) < args.seconds:
@@ -206,15 +204,10 @@ def parse(argv=None):
         if not 0 <= args.induction_minutes * 60 < args.seconds:
             parser.error(f"--induction-minutes must be in [0, --minutes), got {args.induction_minutes}")
         induction_phase.check_arguments(parser, args)
-        args.mix_weights = [float(w) for w in args.mix.split("/")]
-        if (
-            len(args.mix_weights) != len(data.KINDS)
-            or min(args.mix_weights) < 0
-            or sum(args.mix_weights) <= 0
-        ):
-            parser.error(
-                f"--mix takes {len(data.KINDS)} non-negative weights ({'/'.join(data.KINDS)}), got {args.mix}"
-            )
+        try:
+            args.mix_weights = data.parse_mix(args.mix)
+        except ValueError as error:
+            parser.error(f"--mix: {error}")
     return args
 
 

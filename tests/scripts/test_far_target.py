@@ -175,9 +175,10 @@ def test_the_induction_phase_trains_a_drafter_and_logs_its_steps(tokenizer, monk
     assert all(r["phase"] == "induction" and r["length"] == 32 and r["repeat_pool"] == 64 for r in records)
     assert rows.repeat_pool == 300  # restored for what follows
     assert any(not torch.equal(a, b) for a, b in zip(before, drafter.parameters(), strict=True))
-    monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", "--induction-pool", "8"])
-    with pytest.raises(SystemExit):
-        train_drafts.parse_args()
+    for bad in (["--induction-pool", "8"], ["--far-mix", "1/1"], ["--far-mix", "a/b/c/d"]):
+        monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", *bad])
+        with pytest.raises(SystemExit):
+            train_drafts.parse_args()
 
 
 def test_train_drafts_distils_a_drafter_from_a_far_target_after_its_induction_phase(
