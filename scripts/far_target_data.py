@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+TOKENIZER = Path(__file__).resolve().parents[1] / "hf_budgetdraft" / "demo" / "tokenizer"  # the bundled one
 SPAN = 64  # a training row never holds a window this long that occurs in an evaluation document
 COPY_CUE = 8
 KINDS = ("text", "copy", "fact", "repeat")
@@ -59,14 +60,14 @@ SYLLABLES = (
 )
 
 
-def parse_mix(text: str) -> list[float]:
-    """Weights of `KINDS` from `"4/4/2/1"`; `ValueError` unless there is one non-negative weight per kind, not all 0."""
+def parse_mix(text: str, kinds: tuple[str, ...] = KINDS) -> list[float]:
+    """Weights of `kinds` from `"4/4/2/1"`; `ValueError` unless there is one non-negative weight per kind, not all 0."""
     try:
         weights = [float(w) for w in text.split("/")]
     except ValueError:
         weights = []
-    if len(weights) != len(KINDS) or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(f"the mix takes {len(KINDS)} non-negative weights ({'/'.join(KINDS)}), got {text!r}")
+    if len(weights) != len(kinds) or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"the mix takes {len(kinds)} non-negative weights ({'/'.join(kinds)}), got {text!r}")
     return weights
 
 
@@ -178,7 +179,9 @@ class Rows:
             mask[position - 1] = 1
         return ids, mask
 
-    def _fact(self, total: int) -> tuple[list[int], list[int]]:
+    def facts(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """`(needles, question, answer)`: one to four facts in `TRAINING_FORMAT` about invented entities (ids of
+        each statement), a question about one of them and its answer."""
         facts = []
         for _ in range(self.rng.randint(1, 4)):
             value = (
@@ -188,16 +191,24 @@ class Rows:
             )
             facts.append((self.rng.choice(ATTRIBUTES), f"{self._word(2)} {self._word(2)}", value))
         attribute, entity, value = self.rng.choice(facts)
+        needles = [
+            _encode(self.tokenizer, TRAINING_FORMAT[0].format(attribute=a, entity=e, value=v))
+            for a, e, v in facts
+        ]
         question = _encode(self.tokenizer, TRAINING_FORMAT[1].format(attribute=attribute, entity=entity))
-        answer = _encode(self.tokenizer, " " + value)
-        ids = self._text(total - len(question) - len(answer))
-        for fact in facts:  # planted in the first half, each at its own place
-            needle = _encode(
-                self.tokenizer, TRAINING_FORMAT[0].format(attribute=fact[0], entity=fact[1], value=fact[2])
-            )
+        return needles, question, _encode(self.tokenizer, " " + value)
+
+    def haystack(self, length: int, needles: list[list[int]]) -> list[int]:
+        """`length` tokens of natural text with each needle planted in its first half, each at its own place."""
+        ids = self._text(length)
+        for needle in needles:
             at = self.rng.randrange(0, max(1, len(ids) // 2 - len(needle)))
             ids[at:at] = needle
-        ids = ids[: total - len(question) - len(answer)] + question + answer
+        return ids[:length]
+
+    def _fact(self, total: int) -> tuple[list[int], list[int]]:
+        needles, question, answer = self.facts()
+        ids = self.haystack(total - len(question) - len(answer), needles) + question + answer
         mask = [0] * (total - 1 - len(answer)) + [1] * len(answer)
         return ids, mask
 

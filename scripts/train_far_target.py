@@ -48,7 +48,6 @@ import far_target_data as data  # noqa: E402
 import induction_phase  # noqa: E402
 from train_target import target_config  # noqa: E402
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "hf_budgetdraft" / "demo" / "tokenizer"
 SMOKE = dict(
     hidden=64,
     layers=2,
@@ -85,14 +84,16 @@ def main_step(args, fraction: float) -> tuple[int, int, float]:
     return length, max(1, args.step_tokens // length), lr_at(fraction, args.lr)
 
 
-def save(model, out: Path) -> None:
+def save(model, tokenizer, out: Path) -> None:
+    """`out/model`: the weights in shards the device tool brings back, and the tokenizer (a complete HF folder)."""
     model.save_pretrained(out / "model", safe_serialization=True, max_shard_size="15MB")
+    tokenizer.save_pretrained(out / "model")
 
 
 def train(args) -> dict:
     torch.manual_seed(args.seed)
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(data.TOKENIZER, local_files_only=True)
     longest = max(int(part.split(":")[1]) for part in args.lengths.split(","))
     if args.init:
         model = Glm4MoeForCausalLM.from_pretrained(args.init, use_safetensors=True)
@@ -147,9 +148,9 @@ def train(args) -> dict:
                 )
             )
         if time.perf_counter() - last_save > args.save_minutes * 60:
-            save(model, args.out)
+            save(model, tokenizer, args.out)
             last_save = time.perf_counter()
-    save(model, args.out)
+    save(model, tokenizer, args.out)
     summary = dict(
         steps=step,
         tokens=tokens,
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     random.seed(0)
     if args.command == "prepare":
-        tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(data.TOKENIZER, local_files_only=True)
         print(json.dumps(data.prepare(tokenizer, args.corpus, args.data), indent=2))
     else:
         print(json.dumps(train(args), indent=2))

@@ -3,6 +3,7 @@ held-out split by content (no evaluation document, nor a 64-token span of one, i
 and a training smoke that saves shards the device tool can bring back."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -111,6 +112,7 @@ def test_a_training_smoke_saves_shards_that_load(tokenizer, corpus, tmp_path):
     shards = list((out / "model").glob("*.safetensors"))
     assert shards and all(s.stat().st_size <= 15 * 1024 * 1024 for s in shards)
     model = Glm4MoeForCausalLM.from_pretrained(out / "model", use_safetensors=True)
+    assert AutoTokenizer.from_pretrained(out / "model").get_vocab() == tokenizer.get_vocab()
     assert model.config.num_mtp_layers == 1 and model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == len(
         tokenizer
     )
@@ -207,3 +209,46 @@ def test_train_drafts_distils_a_drafter_from_a_far_target_after_its_induction_ph
     drafter = LlamaForCausalLM.from_pretrained(out / "drafter", use_safetensors=True)
     assert drafter(torch.tensor([[1, 2, 3]])).logits.shape[-1] == len(tokenizer)
     assert (out / "target_with_mtp" / "config.json").exists()
+
+
+def test_far_documents_end_their_prefix_where_the_far_dependency_starts(tokenizer, corpus, tmp_path):
+    """`far_documents.py`: packed as `hf-budgetdraft train` packs them (one row per document), a copy row's
+    continuation is a passage seen >= 64 tokens before its reappearance began, a fact row's prefix ends on the
+    question whose answer was planted in its first half, and every row is exactly the ids it was built from."""
+    import far_documents
+
+    from hf_budgetdraft.trainer import load_text_dataset, pack_dataset
+
+    data.prepare(tokenizer, corpus, tmp_path / "data")
+    out, prefix, continuation = tmp_path / "docs.jsonl", 256, 32
+    lengths = ["--prefix-length", str(prefix), "--continuation-length", str(continuation)]
+    args = ["--data", str(tmp_path / "data"), "--out", str(out), "--documents", "24", "--mix", "1/1/1"]
+    assert far_documents.main(args + lengths) == 0
+    kinds = [json.loads(line)["kind"] for line in out.read_text().splitlines()]
+    documents = load_text_dataset(data_files=[str(out)])
+    rows = pack_dataset(documents, tokenizer, prefix + continuation, across_documents=False)["input_ids"]
+    assert len(rows) == 24 and {"text", "copy", "fact"} == set(kinds)
+    for ids, kind in zip(rows, kinds, strict=True):
+        head, tail = ids[:prefix], ids[prefix:]
+        if kind == "copy":
+            gap = far_documents.GAP
+            assert any(  # a cue of c tokens inside the prefix, the passage >= gap tokens before it
+                ids[s : s + c + continuation] == ids[prefix - c :]
+                for c in range(data.COPY_CUE, far_documents.MAX_CUE + 1)
+                for s in range(prefix - 2 * c - continuation - gap + 1)
+            )
+        elif kind == "fact":
+            pattern = r"what is the (\w+) of (\w+ \w+)\? Answer: the \1 of \2 is$"
+            asked = re.search(pattern, tokenizer.decode(head))
+            stated = re.search(
+                rf"The {asked[1]} of {asked[2]} is (\w+)\.", tokenizer.decode(head[: prefix // 2 + 40])
+            )
+            assert tokenizer.decode(tail).startswith(" " + stated[1])
+    for bad in (
+        ["--prefix-length", "100", "--continuation-length", "64"],
+        ["--mix", "1/1/1/1"],
+        ["--continuation-length", "8"],
+        ["--documents", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            far_documents.parse(["--out", str(out), *bad])
