@@ -54,6 +54,9 @@ from hf_budgetdraft.eval.far_context import RETRIEVAL_FORMATS, copy_probe, held_
 from hf_budgetdraft.eval.metrics import bootstrap_ci
 from hf_budgetdraft.runs.intervals import wilson_interval
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from one_liner_speed import paired_speeds, summarise_speeds  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -252,6 +255,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="evaluate only these drafters (base, bundled, sampling, target: the target on a draft cache, or a NAME)",
     )
+    parser.add_argument(
+        "--speed-prompts",
+        type=int,
+        default=0,
+        help="also time the one-liner against plain AR on the first N prompts of each task and context",
+    )
+    parser.add_argument("--speed-tokens", type=int, default=64, help="tokens each timed call decodes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bootstrap-draws", type=int, default=2000)
@@ -276,9 +286,15 @@ def main(argv=None) -> None:
     caches = [None, *args.budgets]
     rows: dict[tuple, list[dict]] = {}
     retrieved: dict[tuple, list[bool]] = {}
+    speeds: dict[tuple, list[dict]] = {}
     for task in args.tasks:
         for context in args.contexts:
-            for probe in probes(demo, task, context, args.prompts, args.seed, args.prose_tokens):
+            prompts = probes(demo, task, context, args.prompts, args.seed, args.prose_tokens)
+            for index, probe in enumerate(prompts):
+                if index < args.speed_prompts:
+                    timed = paired_speeds(demo.target, drafters, probe.input_ids, args.speed_tokens, caches)
+                    for (name, budget), row in timed.items():
+                        speeds.setdefault((task, context, name, budget), []).append(row)
                 answer = target_answer(demo.target, probe.input_ids, probe.answer_length)
                 if probe.key_ids is not None:
                     retrieved.setdefault((task, context), []).append(bool(torch.equal(answer, probe.key_ids)))
@@ -302,6 +318,7 @@ def main(argv=None) -> None:
             "cache": "full" if b is None else f"B={b}",
             "target_correct": sum(retrieved[t, c]) / len(retrieved[t, c]) if (t, c) in retrieved else None,
             **summarise(r, args.bootstrap_draws),
+            **(summarise_speeds(speeds[t, c, d, b]) if (t, c, d, b) in speeds else {}),
         }
         for (t, c, d, b), r in rows.items()
     ]
@@ -327,6 +344,7 @@ def _number(value, digits: int = 2) -> str:
 
 
 def markdown(results: list[dict], args, command: str) -> str:
+    timed = any("speedup" in r for r in results)
     head = (
         "# Draft acceptance on tokens that need long context, per KV budget\n\n"
         f"`{command}` — {args.prompts} prompts per task and "
@@ -334,19 +352,38 @@ def markdown(results: list[dict], args, command: str) -> str:
         "`accepted` = answer tokens a round drafting the whole answer keeps, 95% bootstrap interval; `agreement` = "
         f"per answer token (Wilson 95%); `a round (γ={args.gamma})` = tokens a greedy round drafting {args.gamma} "
         "emits along the target's answer; `needle kept` = share of prompts whose needle every layer and KV head "
-        "kept; `kept` / `dropped` = mean accepted answer tokens on those prompts.\n\n"
-        "| task | context | target correct | drafter | cache | answer tokens | accepted | agreement | "
-        "a round | needle kept | kept | dropped |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "kept; `kept` / `dropped` = mean accepted answer tokens on those prompts."
     )
-    lines = [
-        f"| {r['task']} | {r['context']} | {_percent(r['target_correct'])} | {r['drafter']} | {r['cache']} | "
-        f"{r['answer_tokens']:.0f} | {r['accepted']:.2f} {_interval(r['accepted_ci'])} | {r['agreement']:.2f} "
-        f"{_interval(r['agreement_ci'])} | {r['tokens_per_round']:.2f} {_interval(r['tokens_per_round_ci'])} | "
-        f"{_number(r.get('needle_kept'))} | {_number(r.get('accepted_kept'))} | {_number(r.get('accepted_dropped'))} |"
-        for r in results
-    ]
-    return head + "\n".join(lines) + "\n"
+    if timed:
+        head += (
+            f" `one-liner` = the one-liner with its defaults on the first {args.speed_prompts} prompts, "
+            f"{args.speed_tokens} tokens each (`one_liner_speed.py`): decode speed-up over plain AR on the same "
+            "prompt (median [min, max]), the share of outputs identical to AR's, its tokens a round; on a full "
+            "cache, the budget is the prompt's length."
+        )
+    columns = (
+        "task | context | target correct | drafter | cache | answer tokens | accepted | agreement | a round"
+    )
+    columns += " | needle kept | kept | dropped"
+    columns += " | one-liner speed-up | identical | one-liner a round" if timed else ""
+    lines = [f"{head}\n\n| {columns} |", "|" + "---|" * (columns.count("|") + 1)]
+    for r in results:
+        line = (
+            f"| {r['task']} | {r['context']} | {_percent(r['target_correct'])} | {r['drafter']} | {r['cache']} | "
+            f"{r['answer_tokens']:.0f} | {r['accepted']:.2f} {_interval(r['accepted_ci'])} | {r['agreement']:.2f} "
+            f"{_interval(r['agreement_ci'])} | {r['tokens_per_round']:.2f} {_interval(r['tokens_per_round_ci'])} | "
+            f"{_number(r.get('needle_kept'))} | {_number(r.get('accepted_kept'))} | "
+            f"{_number(r.get('accepted_dropped'))} |"
+        )
+        if timed:
+            line += (
+                f" {r['speedup']:.2f}x {_interval(r['speedup_range'])} | {r['identical']:.0%} | "
+                f"{_number(r['one_liner_tokens_per_round'])} |"
+                if "speedup" in r
+                else " | | |"
+            )
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def _percent(value) -> str:

@@ -1,5 +1,6 @@
 """`benchmarks/budget_evidence.py` on the far-context tasks, a tiny run: the table has a row per task, context,
-drafter and cache, and a target read as its own drafter on a full cache agrees with itself on every token."""
+drafter and cache, a target read as its own drafter on a full cache agrees with itself on every token, and the
+one-liner's timed calls reproduce plain AR's output."""
 
 import importlib.util
 import json
@@ -31,7 +32,7 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path):
     out = tmp_path / "evidence"
     args = ["--target", str(tmp_path / "target"), "--only", "target", "base", "--tasks", "copy", "retrieval"]
     args += ["--contexts", "512", "--budgets", "64", "--prompts", "2", "--threads", "1", "--out", str(out)]
-    args += ["--bootstrap-draws", "50"]
+    args += ["--bootstrap-draws", "50", "--speed-prompts", "1", "--speed-tokens", "8"]
     load_benchmark().main(args)
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     cells = {(r["task"], r["drafter"], r["cache"]) for r in results}
@@ -43,5 +44,8 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path):
         if row["drafter"] == "target" and row["cache"] == "full":
             assert row["agreement"] == 1.0  # the target's own full-cache forward predicts its own answer
     assert all(row["answer_tokens"] == 96 for row in results if row["task"] == "copy")
+    for row in results:  # the one-liner timed on the first prompt: lossless against plain AR on every cache
+        assert row["speed_prompts"] == 1 and row["identical"] == 1.0 and row["speedup"] > 0
     table = out.with_suffix(".md").read_text()
+    assert "| one-liner speed-up | identical |" in table
     assert table.count("\n| copy |") == 4 and table.count("\n| retrieval |") == 4
