@@ -18,9 +18,9 @@ only local context. Here every scored token needs a far one. Two tasks, prompts 
   target's answer); for a target that reads far context (`--target`, `scripts/train_far_target.py`).
 
 For each prompt the target answers greedily once (its full cache); each drafter then prefills the prompt into the
-draft cache a `generate()` call would build — a `DynamicCache` (full) or a `BudgetedCache(budget=B,
-policy="chunk")` (BudgetDraft's chunk retrieval, `last_key` proxy) — and reads the target's answer teacher-forced
-through that cache. Reported per (task, context, drafter, cache): the answer tokens a round drafting the answer
+draft cache a `generate()` call would build — a `DynamicCache` (full) or a `BudgetedCache(budget=B, policy=P)`
+(`--policy`; by default BudgetDraft's chunk retrieval, `last_key` proxy) — and reads the target's answer
+teacher-forced through that cache. Reported per (task, context, drafter, cache): the answer tokens a round drafting the answer
 would keep (the matching prefix; mean and 95% bootstrap interval), per-token agreement (Wilson 95%), the share of
 prompts whose needle the budget kept (every needle token in every layer and KV head of the drafter), and the
 accepted answer tokens split by kept / not kept. `target correct` = the target's answer is the key (the scored
@@ -46,7 +46,8 @@ import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
-from hf_budgetdraft import BudgetedCache
+from hf_budgetdraft import BudgetedCache, query_capture
+from hf_budgetdraft.cache import POLICIES
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.tasks import NEEDLE, passkey_sample
@@ -68,7 +69,9 @@ def target_answer(target, prompt: torch.LongTensor, length: int) -> torch.LongTe
 
 
 @torch.inference_mode()
-def draft_agreement(drafter, prompt, answer, budget: int | None) -> tuple[list[bool], Cache]:
+def draft_agreement(
+    drafter, prompt, answer, budget: int | None, policy: str = "chunk"
+) -> tuple[list[bool], Cache]:
     """Per answer token, whether the drafter's argmax through its draft cache is the target's token; and the cache
     (a budgeted cache holds what its selection kept).
 
@@ -77,8 +80,9 @@ def draft_agreement(drafter, prompt, answer, budget: int | None) -> tuple[list[b
     if budget is None:
         cache = DynamicCache(config=drafter.config)
     else:
-        cache = BudgetedCache(config=drafter.config, budget=budget, policy="chunk")
-    first = drafter(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # (V,)
+        cache = BudgetedCache(config=drafter.config, budget=budget, policy=policy)
+    with query_capture(drafter):  # the prefill's queries, for a policy that scores with them (snapkv)
+        first = drafter(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # (V,)
     rest = drafter(answer[None, :-1], cache=cache, use_cache=True).logits[0]  # (A - 1, V)
     predicted = torch.cat([first.argmax(-1, keepdim=True), rest.argmax(-1)])  # (A,)
     return (predicted == answer).tolist(), cache
@@ -244,6 +248,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--prose-tokens", type=int, default=64, help="target tokens scored after a prose prompt"
     )
+    parser.add_argument(
+        "--policy", default="chunk", choices=sorted(POLICIES), help="the budgeted caches' selection policy"
+    )
     parser.add_argument("--gamma", type=int, default=6, help="draft length of the tokens-a-round column")
     parser.add_argument("--prompts", type=int, default=40, help="prompts per task and context")
     parser.add_argument(
@@ -292,7 +299,9 @@ def main(argv=None) -> None:
             prompts = probes(demo, task, context, args.prompts, args.seed, args.prose_tokens)
             for index, probe in enumerate(prompts):
                 if index < args.speed_prompts:
-                    timed = paired_speeds(demo.target, drafters, probe.input_ids, args.speed_tokens, caches)
+                    timed = paired_speeds(
+                        demo.target, drafters, probe.input_ids, args.speed_tokens, caches, args.policy
+                    )
                     for (name, budget), row in timed.items():
                         speeds.setdefault((task, context, name, budget), []).append(row)
                 answer = target_answer(demo.target, probe.input_ids, probe.answer_length)
@@ -300,7 +309,7 @@ def main(argv=None) -> None:
                     retrieved.setdefault((task, context), []).append(bool(torch.equal(answer, probe.key_ids)))
                 for name, drafter in drafters.items():
                     for budget in caches:
-                        hits, cache = draft_agreement(drafter, probe.input_ids, answer, budget)
+                        hits, cache = draft_agreement(drafter, probe.input_ids, answer, budget, args.policy)
                         rows.setdefault((task, context, name, budget), []).append(
                             {
                                 "hits": hits,
@@ -348,7 +357,7 @@ def markdown(results: list[dict], args, command: str) -> str:
     head = (
         "# Draft acceptance on tokens that need long context, per KV budget\n\n"
         f"`{command}` — {args.prompts} prompts per task and "
-        f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}. "
+        f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}, policy `{args.policy}`. "
         "`accepted` = answer tokens a round drafting the whole answer keeps, 95% bootstrap interval; `agreement` = "
         f"per answer token (Wilson 95%); `a round (γ={args.gamma})` = tokens a greedy round drafting {args.gamma} "
         "emits along the target's answer; `needle kept` = share of prompts whose needle every layer and KV head "

@@ -3,7 +3,7 @@
 
 For one prompt, the target decodes `new_tokens` greedily on its own (transformers' default cache: the reference),
 then the one-liner with its defaults (`generate(ids, assistant_model=drafter, cache_implementation="budgeted",
-cache_config={"budget": B})`; the full-cache row is the same call with the budget at the prompt's length and a
+cache_config={"budget": B, "policy": P})`; the full-cache row is the same call with the budget at the prompt's length and a
 window holding every new token, so the drafter keeps all it reads) for each drafter and cache, then the target alone
 again. A call's speed-up is its decode throughput
 (after the first emitted token) over the mean of the two AR calls around it, so a drift of the machine during one
@@ -21,18 +21,25 @@ from hf_budgetdraft.runs.timed_call import timed_generate
 FULL_WINDOW = 256  # the budgeted cache's default window after the prefill
 
 
-def one_liner_kwargs(drafter, budget: int | None, prompt_length: int, new_tokens: int) -> dict:
+def one_liner_kwargs(
+    drafter, budget: int | None, prompt_length: int, new_tokens: int, policy: str = "chunk"
+) -> dict:
     """`generate()` arguments of the one-liner with its defaults at `budget` (`None`: every prompt token kept,
     and a recent window of at least `new_tokens`: the draft cache drops nothing in the call)."""
     if budget is None:
         config = {"budget": prompt_length, "window_length": max(FULL_WINDOW, new_tokens)}
     else:
-        config = {"budget": budget}
+        config = {"budget": budget, "policy": policy}
     return dict(assistant_model=drafter, cache_implementation="budgeted", cache_config=config)
 
 
 def paired_speeds(
-    target, drafters: dict, prompt: torch.LongTensor, new_tokens: int, budgets: list[int | None]
+    target,
+    drafters: dict,
+    prompt: torch.LongTensor,
+    new_tokens: int,
+    budgets: list[int | None],
+    policy: str = "chunk",
 ) -> dict[tuple[str, int | None], dict]:
     """Per `(drafter name, budget)`: `speedup` over AR, `decode_tokens_per_s`, `identical` (bool: the output is
     the reference's), `tokens_per_round` (accepted draft tokens a round + the target's own; `None` without rounds) and `ar_rounds`
@@ -40,7 +47,10 @@ def paired_speeds(
     before = timed_generate(target, prompt, new_tokens)
     runs = {
         (name, budget): timed_generate(
-            target, prompt, new_tokens, **one_liner_kwargs(drafter, budget, prompt.shape[1], new_tokens)
+            target,
+            prompt,
+            new_tokens,
+            **one_liner_kwargs(drafter, budget, prompt.shape[1], new_tokens, policy),
         )
         for name, drafter in drafters.items()
         for budget in budgets

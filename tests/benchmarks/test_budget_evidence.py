@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 
+import pytest
 import torch
 from repo_paths import REPO as ROOT
 from train_target import target_config
@@ -24,7 +25,8 @@ def load_benchmark():
     return module
 
 
-def test_a_tiny_run_on_the_far_context_tasks(tmp_path):
+@pytest.mark.parametrize("policy", ["chunk", "snapkv"])  # snapkv scores with the prefill's queries
+def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
     torch.manual_seed(0)
     target = Glm4MoeForCausalLM(target_config(tokenizer, 2048, hidden=64, layers=2, heads=2)).eval()
@@ -32,7 +34,7 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path):
     out = tmp_path / "evidence"
     args = ["--target", str(tmp_path / "target"), "--only", "target", "base", "--tasks", "copy", "retrieval"]
     args += ["--contexts", "512", "--budgets", "64", "--prompts", "2", "--threads", "1", "--out", str(out)]
-    args += ["--bootstrap-draws", "50", "--speed-prompts", "1", "--speed-tokens", "8"]
+    args += ["--bootstrap-draws", "50", "--speed-prompts", "1", "--speed-tokens", "8", "--policy", policy]
     load_benchmark().main(args)
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     cells = {(r["task"], r["drafter"], r["cache"]) for r in results}
@@ -47,5 +49,5 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path):
     for row in results:  # the one-liner timed on the first prompt: lossless against plain AR on every cache
         assert row["speed_prompts"] == 1 and row["identical"] == 1.0 and row["speedup"] > 0
     table = out.with_suffix(".md").read_text()
-    assert "| one-liner speed-up | identical |" in table
+    assert "| one-liner speed-up | identical |" in table and f"policy `{policy}`" in table
     assert table.count("\n| copy |") == 4 and table.count("\n| retrieval |") == 4
