@@ -20,10 +20,11 @@ only local context. Here every scored token needs a far one. Two tasks, prompts 
 For each prompt the target answers greedily once (its full cache); each drafter then prefills the prompt into the
 draft cache a `generate()` call would build — a `DynamicCache` (full) or a `BudgetedCache(budget=B, policy=P)`
 (`--policy`; by default BudgetDraft's chunk retrieval, `last_key` proxy) — and reads the target's answer
-teacher-forced through that cache. Reported per (task, context, drafter, cache): the answer tokens a round drafting the answer
-would keep (the matching prefix; mean and 95% bootstrap interval), per-token agreement (Wilson 95%), the share of
-prompts whose needle the budget kept (every needle token in every layer and KV head of the drafter), and the
-accepted answer tokens split by kept / not kept. `target correct` = the target's answer is the key (the scored
+teacher-forced through that cache. Reported per (task, context, drafter, cache): the answer tokens a round drafting
+the answer would keep (the matching prefix; mean and 95% bootstrap interval), per-token agreement (Wilson 95%), the
+share of prompts whose needle the budget kept (every needle token in every layer and KV head of the drafter), and
+the accepted answer tokens split by kept / not kept; with `--speed-prompts N`, the one-liner's decode speed-up over
+plain AR on the first N prompts (`one_liner_speed.py`). `target correct` = the target's answer is the key (the scored
 tokens are its answer either way: acceptance is agreement with the target, right or wrong).
 Writes `<out>.json` and `<out>.md`. Run it alone: a second busy process on 2 cores stalls torch's threads.
 """

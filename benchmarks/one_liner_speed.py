@@ -3,10 +3,10 @@
 
 For one prompt, the target decodes `new_tokens` greedily on its own (transformers' default cache: the reference),
 then the one-liner with its defaults (`generate(ids, assistant_model=drafter, cache_implementation="budgeted",
-cache_config={"budget": B, "policy": P})`; the full-cache row is the same call with the budget at the prompt's length and a
-window holding every new token, so the drafter keeps all it reads) for each drafter and cache, then the target alone
-again. A call's speed-up is its decode throughput
-(after the first emitted token) over the mean of the two AR calls around it, so a drift of the machine during one
+cache_config={"budget": B, "policy": P})`; the full-cache row is the same call with the budget at the prompt's
+length and a window holding every new token, so the drafter keeps all it reads) for each drafter and cache, then
+the target alone again. A call's speed-up is its decode throughput (after the first emitted chunk; the whole call's
+when that chunk held every token) over the mean of the two AR calls around it, so a drift of the machine during one
 prompt reaches both sides; its output must be the reference's, token for token.
 """
 
@@ -33,6 +33,11 @@ def one_liner_kwargs(
     return dict(assistant_model=drafter, cache_implementation="budgeted", cache_config=config)
 
 
+def decode_rate(run) -> float:
+    """Tokens per second after the first emitted chunk, or over the whole call when that chunk held them all."""
+    return run.decode_tokens_per_second or run.tokens_per_second
+
+
 def paired_speeds(
     target,
     drafters: dict,
@@ -42,8 +47,8 @@ def paired_speeds(
     policy: str = "chunk",
 ) -> dict[tuple[str, int | None], dict]:
     """Per `(drafter name, budget)`: `speedup` over AR, `decode_tokens_per_s`, `identical` (bool: the output is
-    the reference's), `tokens_per_round` (accepted draft tokens a round + the target's own; `None` without rounds) and `ar_rounds`
-    (rounds the draft-length policy ran as plain AR steps). `prompt` `(1, L)`."""
+    the reference's), `tokens_per_round` (accepted draft tokens a round + the target's own; `None` without
+    rounds) and `ar_rounds` (rounds the draft-length policy ran as plain AR steps). `prompt` `(1, L)`."""
     before = timed_generate(target, prompt, new_tokens)
     runs = {
         (name, budget): timed_generate(
@@ -56,11 +61,11 @@ def paired_speeds(
         for budget in budgets
     }
     after = timed_generate(target, prompt, new_tokens)
-    ar = statistics.mean([before.decode_tokens_per_second, after.decode_tokens_per_second])
+    ar = statistics.mean([decode_rate(before), decode_rate(after)])
     return {
         key: {
-            "speedup": run.decode_tokens_per_second / ar,
-            "decode_tokens_per_s": run.decode_tokens_per_second,
+            "speedup": decode_rate(run) / ar,
+            "decode_tokens_per_s": decode_rate(run),
             "ar_decode_tokens_per_s": ar,
             "identical": bool(torch.equal(run.new_ids, before.new_ids)),
             "tokens_per_round": run.stats.mean_accepted_length if run.stats.rounds else None,

@@ -88,8 +88,8 @@ def write_documents(
                 redrawn[kind] += 1
             else:
                 raise RuntimeError(
-                    f"no {kind} document out of {ATTEMPTS} encoded back to its own ids; this tokenizer does not "
-                    "round-trip the corpus's text"
+                    f"no {kind} document out of {ATTEMPTS} encoded back to its own ids; this tokenizer "
+                    "does not round-trip the corpus's text"
                 )
             file.write(json.dumps({"text": text, "kind": kind}) + "\n")
     return {
@@ -126,7 +126,8 @@ def parse(argv=None) -> argparse.Namespace:
     if args.prefix_length < shortest_prefix(args.continuation_length):
         parser.error(
             f"--prefix-length must be >= {shortest_prefix(args.continuation_length)} for a continuation of "
-            f"{args.continuation_length} (a copied passage, a gap of {GAP}, its reappearance), got {args.prefix_length}"
+            f"{args.continuation_length} (a copied passage, a gap of {GAP}, its reappearance), "
+            f"got {args.prefix_length}"
         )
     if not 1 <= args.documents <= MAX_DOCUMENTS:
         parser.error(f"--documents must be in [1, {MAX_DOCUMENTS}], got {args.documents}")
