@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_liner_speed import paired_speeds, summarise_speeds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PASSAGE, LEAD = 128, 64  # a copy probe's passage, and the filler before its first sight
 
 
 @torch.inference_mode()
@@ -89,19 +90,20 @@ def draft_agreement(
     return (predicted == answer).tolist(), cache
 
 
-def needle_kept(cache, needle: range) -> bool | None:
-    """Every needle position kept by every layer and KV head of a budgeted cache (`None`: a full cache)."""
+def needle_shares(cache, needle: range) -> list[float] | None:
+    """Per layer and KV head of a budgeted cache, the share of the needle's positions its selection kept (`None`:
+    a full cache)."""
     layers = [
         layer for layer in getattr(cache, "layers", []) if getattr(layer, "kept_positions", None) is not None
     ]
     if not layers:
         return None
     wanted = torch.tensor(list(needle))
-    return all(
-        bool(torch.isin(wanted, layer.kept_positions[0, h]).all())
+    return [
+        float(torch.isin(wanted, layer.kept_positions[0, h]).float().mean())
         for layer in layers
         for h in range(layer.kept_positions.shape[1])
-    )
+    ]
 
 
 def accepted_prefix(hits: list[bool]) -> int:
@@ -112,7 +114,7 @@ def accepted_prefix(hits: list[bool]) -> int:
 @dataclass
 class Probe:
     """One prompt `(1, L)` and what is scored after it: the target's next `answer_length` tokens; for the passkey
-    tasks the key's ids and the needle's positions in the prompt."""
+    tasks the key's ids and the needle's positions in the prompt (for `copy`: the passage's first sight)."""
 
     input_ids: torch.LongTensor
     answer_length: int
@@ -130,9 +132,12 @@ def far_probes(tokenizer, task: str, context: int, count: int, rng: random.Rando
     formats = sorted(RETRIEVAL_FORMATS)
     for index in range(count):
         offset = rng.randrange(filler.numel() - context)
+        needle = None
         if task == "copy":
-            start = rng.randrange(passages.numel() - 128)
-            probe = copy_probe(filler[offset:], passages[start : start + 128], max(0, context - 64 - 2 * 128))
+            start = rng.randrange(passages.numel() - PASSAGE)
+            passage = passages[start : start + PASSAGE]
+            probe = copy_probe(filler[offset:], passage, max(0, context - LEAD - 2 * PASSAGE), lead=LEAD)
+            needle = range(LEAD, LEAD + PASSAGE)  # the passage's first sight
         else:
             name = formats[index % len(formats)]
             probe = retrieval_probe(
@@ -140,7 +145,7 @@ def far_probes(tokenizer, task: str, context: int, count: int, rng: random.Rando
             )
         first = int(probe.scored[0])
         key = None if task == "copy" else probe.input_ids[0, first:]
-        yield Probe(probe.input_ids[:, :first], probe.input_ids.shape[1] - first, key)
+        yield Probe(probe.input_ids[:, :first], probe.input_ids.shape[1] - first, key, needle)
 
 
 def probes(demo, task: str, context: int, count: int, seed: int, prose_tokens: int):
@@ -191,11 +196,14 @@ def summarise(rows: list[dict], draws: int) -> dict:
         "tokens_per_round": sum(per_round) / len(per_round),
         "tokens_per_round_ci": bootstrap_ci(per_round, np.mean, draws=draws, vectorized=True),
     }
+    for row in rows:  # the needle kept whole by every layer and KV head
+        row["kept"] = None if row["shares"] is None else min(row["shares"]) == 1.0
     kept = [r for r in rows if r["kept"] is not None]
     if kept:
         inside = [r["accepted"] for r in kept if r["kept"]]
         outside = [r["accepted"] for r in kept if not r["kept"]]
         out["needle_kept"] = len(inside) / len(kept)
+        out["needle_share"] = float(np.mean([np.mean(r["shares"]) for r in kept]))
         out["accepted_kept"] = sum(inside) / len(inside) if inside else None
         out["accepted_dropped"] = sum(outside) / len(outside) if outside else None
     return out
@@ -316,7 +324,7 @@ def main(argv=None) -> None:
                                 "hits": hits,
                                 "accepted": accepted_prefix(hits),
                                 "tokens_per_round": tokens_per_round(hits, args.gamma),
-                                "kept": needle_kept(cache, probe.needle) if probe.needle else None,
+                                "shares": needle_shares(cache, probe.needle) if probe.needle else None,
                             }
                         )
             print(f"{task} @{context}: {time.time() - started:.0f} s", flush=True)
@@ -361,7 +369,9 @@ def markdown(results: list[dict], args, command: str) -> str:
         f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}, policy `{args.policy}`. "
         "`accepted` = answer tokens a round drafting the whole answer keeps, 95% bootstrap interval; `agreement` = "
         f"per answer token (Wilson 95%); `a round (γ={args.gamma})` = tokens a greedy round drafting {args.gamma} "
-        "emits along the target's answer; `needle kept` = share of prompts whose needle every layer and KV head "
+        "emits along the target's answer; `needle share` = mean share of the needle's positions (for `copy`: the "
+        "passage's first sight) each layer and KV head kept; `needle kept` = share of prompts whose needle every "
+        "layer and KV head "
         "kept; `kept` / `dropped` = mean accepted answer tokens on those prompts."
     )
     if timed:
@@ -374,7 +384,7 @@ def markdown(results: list[dict], args, command: str) -> str:
     columns = (
         "task | context | target correct | drafter | cache | answer tokens | accepted | agreement | a round"
     )
-    columns += " | needle kept | kept | dropped"
+    columns += " | needle share | needle kept | kept | dropped"
     columns += " | one-liner speed-up | identical | one-liner a round" if timed else ""
     lines = [f"{head}\n\n| {columns} |", "|" + "---|" * (columns.count("|") + 1)]
     for r in results:
@@ -382,7 +392,7 @@ def markdown(results: list[dict], args, command: str) -> str:
             f"| {r['task']} | {r['context']} | {_percent(r['target_correct'])} | {r['drafter']} | {r['cache']} | "
             f"{r['answer_tokens']:.0f} | {r['accepted']:.2f} {_interval(r['accepted_ci'])} | {r['agreement']:.2f} "
             f"{_interval(r['agreement_ci'])} | {r['tokens_per_round']:.2f} {_interval(r['tokens_per_round_ci'])} | "
-            f"{_number(r.get('needle_kept'))} | {_number(r.get('accepted_kept'))} | "
+            f"{_number(r.get('needle_share'))} | {_number(r.get('needle_kept'))} | {_number(r.get('accepted_kept'))} | "
             f"{_number(r.get('accepted_dropped'))} |"
         )
         if timed:

@@ -46,6 +46,11 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
         if row["drafter"] == "target" and row["cache"] == "full":
             assert row["agreement"] == 1.0  # the target's own full-cache forward predicts its own answer
     assert all(row["answer_tokens"] == 96 for row in results if row["task"] == "copy")
+    for row in results:  # a copy probe's passage, kept in part by a budget of 64 of ~512 tokens
+        if row["task"] == "copy" and row["cache"] == "B=64":
+            assert 0.0 <= row["needle_share"] < 1.0 and row["needle_kept"] == 0.0
+        else:
+            assert "needle_share" not in row
     for row in results:  # the one-liner timed on the first prompt: lossless against plain AR on every cache
         assert row["speed_prompts"] == 1 and row["identical"] == 1.0 and row["speedup"] > 0
     table = out.with_suffix(".md").read_text()
