@@ -196,14 +196,12 @@ def summarise(rows: list[dict], draws: int) -> dict:
         "tokens_per_round": sum(per_round) / len(per_round),
         "tokens_per_round_ci": bootstrap_ci(per_round, np.mean, draws=draws, vectorized=True),
     }
-    for row in rows:  # the needle kept whole by every layer and KV head
-        row["kept"] = None if row["shares"] is None else min(row["shares"]) == 1.0
     kept = [r for r in rows if r["kept"] is not None]
     if kept:
         inside = [r["accepted"] for r in kept if r["kept"]]
         outside = [r["accepted"] for r in kept if not r["kept"]]
         out["needle_kept"] = len(inside) / len(kept)
-        out["needle_share"] = float(np.mean([np.mean(r["shares"]) for r in kept]))
+        out["needle_share"] = float(np.mean([r["share"] for r in kept]))
         out["accepted_kept"] = sum(inside) / len(inside) if inside else None
         out["accepted_dropped"] = sum(outside) / len(outside) if outside else None
     return out
@@ -319,12 +317,15 @@ def main(argv=None) -> None:
                 for name, drafter in drafters.items():
                     for budget in caches:
                         hits, cache = draft_agreement(drafter, probe.input_ids, answer, budget, args.policy)
+                        shares = needle_shares(cache, probe.needle) if probe.needle else None
                         rows.setdefault((task, context, name, budget), []).append(
                             {
                                 "hits": hits,
                                 "accepted": accepted_prefix(hits),
                                 "tokens_per_round": tokens_per_round(hits, args.gamma),
-                                "shares": needle_shares(cache, probe.needle) if probe.needle else None,
+                                # the needle kept whole by every layer and KV head, and its mean share kept
+                                "kept": None if shares is None else min(shares) == 1.0,
+                                "share": None if shares is None else float(np.mean(shares)),
                             }
                         )
             print(f"{task} @{context}: {time.time() - started:.0f} s", flush=True)

@@ -16,9 +16,8 @@ import statistics
 
 import torch
 
+from hf_budgetdraft.generation.spec import DraftSpec
 from hf_budgetdraft.runs.timed_call import timed_generate
-
-FULL_WINDOW = 256  # the budgeted cache's default window after the prefill
 
 
 def one_liner_kwargs(
@@ -27,7 +26,10 @@ def one_liner_kwargs(
     """`generate()` arguments of the one-liner with its defaults at `budget` (`None`: every prompt token kept,
     and a recent window of at least `new_tokens`: the draft cache drops nothing in the call)."""
     if budget is None:
-        config = {"budget": prompt_length, "window_length": max(FULL_WINDOW, new_tokens)}
+        config = {
+            "budget": prompt_length,
+            "window_length": max(DraftSpec(cache="budgeted").window_length, new_tokens),
+        }
     else:
         config = {"budget": budget, "policy": policy}
     return dict(assistant_model=drafter, cache_implementation="budgeted", cache_config=config)

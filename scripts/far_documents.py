@@ -50,9 +50,9 @@ def document(rows: data.Rows, prefix_length: int, continuation_length: int, kind
     """The ids of one document of `kind`, `(prefix_length + continuation_length,)`."""
     total = prefix_length + continuation_length
     if kind == "text":
-        return rows._text(total)
+        return rows.natural_text(total)
     if kind == "copy":
-        ids = rows._text(total)
+        ids = rows.natural_text(total)
         cue = rows.rng.randint(data.COPY_CUE, MAX_CUE)
         span, repeat = cue + continuation_length, prefix_length - cue
         source = rows.rng.randrange(0, repeat - span - GAP + 1)
@@ -61,7 +61,7 @@ def document(rows: data.Rows, prefix_length: int, continuation_length: int, kind
     if kind == "fact":
         needles, question, answer = rows.facts()
         body = rows.haystack(prefix_length - len(question), needles)
-        return body + question + answer + rows._text(continuation_length - len(answer))
+        return body + question + answer + rows.natural_text(continuation_length - len(answer))
     raise ValueError(f"a document's kind is one of {KINDS}, got {kind!r}")
 
 

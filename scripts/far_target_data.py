@@ -136,7 +136,8 @@ class Rows:
         self.by_frequency = counts.argsort(descending=True)[: int((counts > 0).sum())].tolist()
         self.repeat_pool = len(self.by_frequency)  # the induction phase narrows it, then widens it again
 
-    def _text(self, length: int) -> list[int]:
+    def natural_text(self, length: int) -> list[int]:
+        """`length` consecutive tokens of the stream from a random place."""
         start = self.rng.randrange(0, self.tokens.numel() - length)
         return self.tokens[start : start + length].tolist()
 
@@ -147,7 +148,7 @@ class Rows:
         """`(ids (length + 1), mask (length))` of a row of `kind`."""
         total = length + 1
         if kind == "text":
-            return self._text(total), [1] * length
+            return self.natural_text(total), [1] * length
         if kind == "copy":
             return self._copy(total)
         if kind == "repeat":
@@ -155,7 +156,7 @@ class Rows:
         return self._fact(total)
 
     def _copy(self, total: int) -> tuple[list[int], list[int]]:
-        ids = self._text(total)
+        ids = self.natural_text(total)
         gap = min(64, total // 8)  # the shortest distance between the passage and its reappearance
         span = self.rng.randint(min(32, total // 8), max(min(256, total // 4), min(32, total // 8)))
         source = self.rng.randrange(0, total - 2 * span - gap)
@@ -200,7 +201,7 @@ class Rows:
 
     def haystack(self, length: int, needles: list[list[int]]) -> list[int]:
         """`length` tokens of natural text with each needle planted in its first half, each at its own place."""
-        ids = self._text(length)
+        ids = self.natural_text(length)
         for needle in needles:
             at = self.rng.randrange(0, max(1, len(ids) // 2 - len(needle)))
             ids[at:at] = needle

@@ -11,7 +11,7 @@ import far_target_data as data
 import pytest
 import torch
 from repo_paths import SCRIPTS
-from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaForCausalLM
 
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.models import DEMO_DIR
@@ -156,15 +156,7 @@ def test_the_induction_phase_trains_a_drafter_and_logs_its_steps(tokenizer, monk
     import induction_phase
     import train_drafts
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    drafter = LlamaForCausalLM(config)
+    drafter = LlamaForCausalLM(train_drafts.drafter_config(tokenizer, 512))  # the drafter train_drafts builds
     before = [p.detach().clone() for p in drafter.parameters()]
     monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", "--induction-minutes", "0.01"])
     args = train_drafts.parse_args()
