@@ -77,22 +77,32 @@ def draft_agreement(
     """Per answer token, whether the drafter's argmax through its draft cache is the target's token; and the cache
     (a budgeted cache holds what its selection kept).
 
-    The prompt `(1, L)` is prefilled as `generate()` prefills it, then the answer `(A,)` is fed as one block:
-    a cache returns the same logits to a block as to the same tokens one at a time."""
+    The prompt `(1, L)` is prefilled as `generate()` prefills it, then the answer `(A,)` is fed as one block (a
+    cache returns the same logits to a block as to the same tokens one at a time), or one token at a time where the
+    policy selects again with each step's query (dynamic)."""
     if budget is None:
         cache = DynamicCache(config=drafter.config)
     else:
         cache = BudgetedCache(config=drafter.config, budget=budget, policy=policy)
-    with query_capture(drafter):  # the prefill's queries, for a policy that scores with them (snapkv)
+    # the prefill's queries, for a policy that scores with them (snapkv), and each step's, for one that re-selects
+    with query_capture(drafter):
         first = drafter(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # (V,)
-    rest = drafter(answer[None, :-1], cache=cache, use_cache=True).logits[0]  # (A - 1, V)
+        if budget is not None and cache.policy.refreshes:
+            steps = [
+                drafter(token.view(1, 1), cache=cache, use_cache=True).logits[0] for token in answer[:-1]
+            ]
+            rest = torch.cat(steps)  # (A - 1, V)
+        else:
+            rest = drafter(answer[None, :-1], cache=cache, use_cache=True).logits[0]  # (A - 1, V)
     predicted = torch.cat([first.argmax(-1, keepdim=True), rest.argmax(-1)])  # (A,)
     return (predicted == answer).tolist(), cache
 
 
 def needle_shares(cache, needle: range) -> list[float] | None:
     """Per layer and KV head of a budgeted cache, the share of the needle's positions its selection kept (`None`:
-    a full cache)."""
+    a full cache, or a policy that selects again at every step, whose last selection says little)."""
+    if getattr(getattr(cache, "policy", None), "refreshes", False):
+        return None
     layers = [
         layer for layer in getattr(cache, "layers", []) if getattr(layer, "kept_positions", None) is not None
     ]

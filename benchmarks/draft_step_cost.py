@@ -5,7 +5,9 @@ that grows with context; a sparse draft cache makes it constant. For each contex
 once, then timed interleaved (A B C D A B C D ...) over `--repeats` blocks of `--steps` one-token draft steps, each
 block rolled back with `crop(-steps)` so the context stays fixed. The fourth, `budgeted_compiled`, is the same
 budgeted cache with `static=True` and the step compiled the way `generate()` compiles it (the drafter on
-`budgetdraft_varlen`, `get_compiled_call`; compiled once, before the timing). Writes JSON and a Markdown table.
+`budgetdraft_varlen`, `get_compiled_call`; compiled once, before the timing); the fifth, `budgeted_dynamic`, the same
+budget with `policy="dynamic"` (each step re-selects it with its query, stepped inside `query_capture` as
+`generate()` steps it; its cache holds the prompt's keys and values too). Writes JSON and a Markdown table.
 
 Run it alone (no other busy process: on 2 cores a second one stalls torch's threads):
     python benchmarks/draft_step_cost.py --threads 2 --output-dir bench-out
@@ -25,7 +27,13 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_budgetdraft  # noqa: F401
-from hf_budgetdraft import BudgetedCache, SinkWindowCache, cache_nbytes, draft_step_compile_config
+from hf_budgetdraft import (
+    BudgetedCache,
+    SinkWindowCache,
+    cache_nbytes,
+    draft_step_compile_config,
+    query_capture,
+)
 from hf_budgetdraft.demo.random_models import random_llama_config
 
 
@@ -39,7 +47,19 @@ def make_caches(config, static_config, args) -> dict:
         "budgeted_compiled": BudgetedCache(
             static_config, budget=args.budget, policy="chunk", slack=args.steps, static=True
         ),
+        "budgeted_dynamic": BudgetedCache(config, budget=args.budget, policy="dynamic", slack=args.steps),
     }
+
+
+class Captured:
+    """`model`'s forward inside `query_capture`, as `generate()` runs the steps of a dynamic budgeted cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with query_capture(self.model):
+            return self.model(*args, **kwargs)
 
 
 @torch.inference_mode()
@@ -143,18 +163,23 @@ def markdown(records: list[dict], growth: dict, args) -> str:
         return f"{record['full_over_this']:.2f} [{low:.2f}, {high:.2f}]"
 
     rows = [
-        "| context | full (ms) | sink_window (ms) | budgeted (ms) | budgeted compiled (ms) | full/sink_window [95% CI] "
-        "| full/budgeted [95% CI] | full/budgeted compiled [95% CI] | draft KV full / sink_window / budgeted (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| context | full (ms) | sink_window (ms) | budgeted (ms) | budgeted compiled (ms) | budgeted dynamic (ms) "
+        "| full/sink_window [95% CI] | full/budgeted [95% CI] | full/budgeted compiled [95% CI] "
+        "| full/budgeted dynamic [95% CI] | draft KV full / sink_window / budgeted / budgeted dynamic (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for context in args.contexts:
         cell = {r["cache"]: r for r in records if r["context_length"] == context}
-        sw, bd, bc = cell["sink_window"], cell["budgeted"], cell["budgeted_compiled"]
+        sw, bd, bc, dy = (
+            cell[n] for n in ("sink_window", "budgeted", "budgeted_compiled", "budgeted_dynamic")
+        )
+        mib = " / ".join(
+            f"{cell[n]['draft_cache_bytes'] / 2**20:.1f}" for n in ("full", "sink_window", "budgeted")
+        )
         rows.append(
             f"| {context} | {cell['full']['step_ms_median']:.2f} | {sw['step_ms_median']:.2f} | "
-            f"{bd['step_ms_median']:.2f} | {bc['step_ms_median']:.2f} | {ratio(sw)} | {ratio(bd)} | {ratio(bc)} | "
-            f"{cell['full']['draft_cache_bytes'] / 2**20:.1f} / {sw['draft_cache_bytes'] / 2**20:.1f} / "
-            f"{bd['draft_cache_bytes'] / 2**20:.1f} |"
+            f"{bd['step_ms_median']:.2f} | {bc['step_ms_median']:.2f} | {dy['step_ms_median']:.2f} | {ratio(sw)} | "
+            f"{ratio(bd)} | {ratio(bc)} | {ratio(dy)} | {mib} / {dy['draft_cache_bytes'] / 2**20:.1f} |"
         )
     rows.append("")
     rows.append(
@@ -177,6 +202,7 @@ def main() -> None:
         "sink_window": model,
         "budgeted": model,
         "budgeted_compiled": static_model.get_compiled_call(draft_step_compile_config(static_model.device)),
+        "budgeted_dynamic": Captured(model),
     }
     records = []
     for context in args.contexts:

@@ -1,6 +1,6 @@
 """Greedy output with a sparse draft cache must be token-identical to the target's own greedy output.
 
-Matrix: 10 decoder families x {eager, sdpa} x {sink_window, budgeted(chunk|streaming|snapkv)}; prompts are
+Matrix: 10 decoder families x {eager, sdpa} x {sink_window, budgeted(chunk|streaming|snapkv|dynamic)}; prompts are
 several times longer than the window/budget, so the draft's eviction really happens."""
 
 import pytest
@@ -17,6 +17,7 @@ CACHES = {
     "budgeted-chunk": ("budgeted", {"budget": 48, "policy": "chunk", "window_length": 16}),
     "budgeted-streaming": ("budgeted", {"budget": 48, "policy": "streaming"}),
     "budgeted-snapkv": ("budgeted", {"budget": 48, "policy": "snapkv", "policy_kwargs": {"window_size": 8}}),
+    "budgeted-dynamic": ("budgeted", {"budget": 48, "policy": "dynamic", "policy_kwargs": {"components": 4}}),
 }
 GAMMA = 3
 

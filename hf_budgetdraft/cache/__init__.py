@@ -7,7 +7,15 @@ from .draft_cache import BudgetedCache, SinkWindowCache, SparseDraftCache
 from .draft_head_caches import WindowedDFlashCache, WindowedMtpCache
 from .draft_layer import DraftLayer
 from .growable import GrowableCache, GrowableLayer, is_full_attention_only
-from .policies import POLICIES, ChunkPolicy, KeepPolicy, SnapKVPolicy, StreamingPolicy, get_policy
+from .policies import (
+    POLICIES,
+    ChunkPolicy,
+    DynamicChunkPolicy,
+    KeepPolicy,
+    SnapKVPolicy,
+    StreamingPolicy,
+    get_policy,
+)
 from .selection import BudgetSelection, Selection, SinkSelection
 from .sizes import cache_nbytes
 from .static_draft_layer import StaticDraftLayer
@@ -18,6 +26,7 @@ __all__ = [
     "BudgetedCache",
     "ChunkPolicy",
     "DraftLayer",
+    "DynamicChunkPolicy",
     "GrowableCache",
     "GrowableLayer",
     "KeepPolicy",

@@ -51,6 +51,9 @@ class DraftLayer(CacheLayerMixin):
         self.num_kept = 0  # n
         self.floor, self.floor_reason = 0, ""
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
+        # a refreshing selection's prompt (its key index and values), and the K/V a step returned, awaiting its queries
+        self.prompt: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._refresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -70,10 +73,12 @@ class DraftLayer(CacheLayerMixin):
         if self.prefix_length is None:
             self._prefill(key_states, value_states)
             return key_states, value_states
+        self._check_refreshed()
         length = self._length()
         keys, values = self._with_past(key_states, value_states, length)
         self._write(key_states, value_states, length)
         self._set_length(length + key_states.shape[-2])
+        self._ask_for_queries(keys, values)
         return keys, values
 
     def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -91,12 +96,44 @@ class DraftLayer(CacheLayerMixin):
             self._keep(key_states, value_states, None)
 
     def receive_queries(self, queries: torch.Tensor) -> None:
-        """Called by the capturing attention function with the prefill queries `(B, H_q, L, D)`."""
+        """Called by the capturing attention function, before it attends, with the queries `(B, H_q, q, D)` of the
+        prefill (a query-scored selection) or of a step (a refreshing one)."""
         cancel_request(self)  # served: a request left behind would keep this layer and its keys alive
         if self._pending is not None:
             keys, values = self._pending
             self._pending = None
             self._keep(keys, values, queries)
+        elif self._refresh is not None:
+            self._reselect(*self._refresh, queries[:, :, -1])
+
+    def _ask_for_queries(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """After a step's update: a refreshing selection asks for the step's queries, to re-select the static part
+        of the keys and values `(B, H, S + ..., D)` the step returned before its attention reads them."""
+        if self.prompt is not None:
+            self._refresh = (keys, values)
+            request_queries(self, self.layer_idx, keys)
+
+    def _reselect(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        """Fill the static slots, and the static part of a step's `keys`/`values`, with the prompt positions the
+        step's last query `(B, H_q, D)` selects."""
+        self._refresh = None
+        positions, kept_keys, kept_values = self.selection.reselect(self.prompt, query)
+        self.kept_positions = positions
+        self._store_static(kept_keys, kept_values, positions)
+        if keys is not self.keys:  # the dynamic layer returned a copy: `[static, window, new]`
+            keys[:, :, : self.num_kept] = kept_keys
+            values[:, :, : self.num_kept] = kept_values
+
+    def _check_refreshed(self) -> None:
+        if self._refresh is not None:
+            cancel_request(self)
+            self._refresh = None
+            raise ValueError(
+                f"policy={self.selection.policy.name!r} selects again at every step with the step's queries, but the "
+                f"attention of layer {self.layer_idx} did not hand them over, so the last step read a stale selection. "
+                "Run the drafter inside `hf_budgetdraft.query_capture(drafter)` (generate() with "
+                "cache_implementation='budgeted' does this for you), or use policy='chunk'."
+            )
 
     def _check_not_pending(self) -> None:
         if self._pending is not None:
@@ -116,6 +153,7 @@ class DraftLayer(CacheLayerMixin):
         positions, kept_keys, kept_values = self.selection.keep(keys.detach(), values.detach(), queries)
         self.kept_positions, self.num_kept = positions, positions.shape[-1]
         self._store_static(kept_keys, kept_values, positions)
+        self.prompt = self.selection.index(keys.detach(), values.detach())
 
     def _store_static(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         self.keys[:, :, : keys.shape[-2]] = keys
@@ -235,7 +273,7 @@ class DraftLayer(CacheLayerMixin):
         self.floor, self.floor_reason = length + count, SKIP_FLOOR
 
     def reset(self) -> None:
-        if self._pending is not None:
+        if self._pending is not None or self._refresh is not None:
             cancel_request(self)
         self._clear_host_state()
         self._restart_ring(0)
@@ -244,7 +282,8 @@ class DraftLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        tensors = (self.keys, self.values, *(self.prompt or ()))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _unsupported(self, *args, **kwargs):
         raise ValueError(

@@ -84,6 +84,11 @@ class RaggedDraftCache(RaggedCache):
     ):
         check_size("window_length", window_length, 1)
         check_size("slack", slack, 1)
+        if selection.refreshes:
+            raise ValueError(
+                f"policy={selection.policy.name!r} selects again at every step of one sequence; a batch drafts on "
+                "ragged per-row caches, which keep each row's prefill selection. Use policy='chunk' for batched calls"
+            )
         self.selection = selection
         self.layout = SlotLayout(selection.static_capacity, window_length, slack)
         self.static_capacity, self.window, self.slack = selection.static_capacity, window_length, slack

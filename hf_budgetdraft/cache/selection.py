@@ -8,7 +8,8 @@ selection, so a new selection is one class here.
 - `SinkSelection` (Windowed-MTP, arXiv 2607.21535): the first `S` positions (an attention sink); the ring starts
   at `S`, so positions written later below `S` fill the rest of the sink.
 - `BudgetSelection` (BudgetDraft, arXiv 2606.00144, §3.1): per KV head, at most `budget` prompt positions chosen
-  by a `KeepPolicy`; the ring starts after the prompt, and no rollback goes back into it.
+  by a `KeepPolicy`; the ring starts after the prompt, and no rollback goes back into it. A policy that `refreshes`
+  (dynamic) also chooses at every later step, with the step's query, from the prompt `index` keeps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Selection:
 
     static_capacity: int = 0
     uses_queries = False  # whether `select` may need the prefill queries
+    refreshes = False  # whether every step after the prefill selects again, with its own query (`reselect`)
     can_skip = False  # whether positions past the static ones may be skipped (never stored)
 
     def ring_start(self, prompt_length: int) -> int:
@@ -42,6 +44,11 @@ class Selection:
         """`(B, H, n)` long, ascending: the positions of the prefill keys `(B, H, L, D)` the static slots keep,
         `n <= static_capacity` (queries `(B, H_q, L, D)` when `needs_queries`)."""
         raise NotImplementedError
+
+    def index(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a refreshing selection re-selects from after a prefill of these keys and values `(B, H, L, D)`
+        (`None`: nothing, it never selects again)."""
+        return None
 
     def keep(
         self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None
@@ -83,6 +90,7 @@ class BudgetSelection(Selection):
         self.policy.validate_budget(budget)
         self.budget = self.static_capacity = budget
         self.uses_queries = self.policy.needs_queries
+        self.refreshes = self.policy.refreshes
 
     def ring_start(self, prompt_length: int) -> int:
         return prompt_length
@@ -97,3 +105,20 @@ class BudgetSelection(Selection):
         if queries is not None:
             queries = queries[:, :, -self.policy.query_window :]
         return self.policy.select(keys, self.budget, queries)
+
+    def index(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A refreshing policy's index of the prompt's keys, and its values (`None`: the prompt fits the budget, or
+        the policy does not refresh)."""
+        if not self.refreshes or keys.shape[-2] <= self.budget:
+            return None
+        return self.policy.index(keys), values
+
+    def reselect(
+        self, prompt: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's positions `(B, H, n)` and the keys and values at them `(B, H, n, D)`, chosen with its last query
+        `(B, H_q, D)` from `prompt` (what `index` returned)."""
+        index, values = prompt
+        positions = self.policy.reselect(index, query, self.budget)
+        kept_values = values.gather(2, positions[..., None].expand(-1, -1, -1, values.shape[-1]))
+        return positions, self.policy.keys_at(index, positions), kept_values

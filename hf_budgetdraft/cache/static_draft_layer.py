@@ -110,6 +110,7 @@ class StaticDraftLayer(DraftLayer):
                 f"attn_implementation={VARLEN_NAME!r}, or use static=False"
             )
         self._check_not_pending()
+        self._check_refreshed()
         tokens = key_states.shape[-2]
         positions = self.length + self._offsets[:tokens]  # (q,) long: the new tokens' positions
         # ring slots distinct (q <= slack); a position below the ring start (a sink) in static slot p
@@ -123,6 +124,7 @@ class StaticDraftLayer(DraftLayer):
         self._step_tokens = tokens
         self._awaiting_attention = True
         attention_kwargs[STATIC_LAYER_KWARG] = self
+        self._ask_for_queries(self.keys, self.values)
         return self.keys, self.values
 
     def _advance_known_length(self, tokens: int) -> None:

@@ -35,21 +35,23 @@ _first_compiled_call = threading.Lock()
 
 class ForwardStep:
     """A forward of `model` (the drafter, or its compiled call) on its draft cache: the eager step, and what
-    `CompiledStep` calls."""
+    `CompiledStep` calls; inside `query_capture` when `capture_queries` (a cache that selects with each step's
+    queries)."""
 
-    def __init__(self, model, cache):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, capture_queries: bool = False):
+        self.model, self.cache, self.capture_queries = model, cache, capture_queries
 
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
-        out = self.model(
-            input_ids=feed,
-            # an all-ones mask changes nothing, and its growing length would recompile a compiled step
-            attention_mask=mask,
-            position_ids=positions,
-            **cache_kwargs(self.cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with query_capture(self.model) if self.capture_queries else contextlib.nullcontext():
+            out = self.model(
+                input_ids=feed,
+                # an all-ones mask changes nothing, and its growing length would recompile a compiled step
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_kwargs(self.cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         return out.logits[:, -1, :].float()
 
 
@@ -172,8 +174,9 @@ class DraftSteps:
         """The steps `plan` asks for, on `model` and its draft `cache` (whose budgeted policy, if it scores the prefix
         with the prefill's queries, makes the prefill capture them)."""
         spec = plan.spec
-        capture_queries = isinstance(cache, BudgetedCache) and cache.policy.needs_queries
-        eager = ForwardStep(model, cache)
+        budgeted = isinstance(cache, BudgetedCache)
+        capture_queries = budgeted and cache.policy.needs_queries
+        eager = ForwardStep(model, cache, capture_queries=budgeted and cache.policy.refreshes)
         block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
         token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block
         prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries)

@@ -78,7 +78,9 @@ class DraftSpec:
         cache (`str`, defaults to `"budgeted"`): the draft's cache, `"budgeted"` (BudgetDraft, arXiv 2606.00144) or
             `"sink_window"` (Windowed-MTP, arXiv 2607.21535).
         budget (`int`, defaults to 512): `budgeted`: prefix tokens kept per layer and KV head.
-        policy (`str`, defaults to `"chunk"`): `budgeted`: `chunk` | `streaming` | `snapkv`.
+        policy (`str`, defaults to `"chunk"`): `budgeted`: `chunk` | `streaming` | `snapkv` (selected once, after the
+            prefill) | `dynamic` (selected again at every draft step with its query; keeps the prompt's draft KV;
+            single sequences, eager steps).
         policy_kwargs (`dict`, *optional*): `budgeted`: the policy's hyper-parameters.
         num_sink_tokens (`int`, defaults to 64): `sink_window`: attention-sink tokens.
         window_length (`int`, *optional*): recent tokens the draft reads (default 1024 for `sink_window`, 256 for
@@ -91,7 +93,8 @@ class DraftSpec:
             for a static cache and a drafter of Llama's layout (Llama, Qwen2, Qwen3, ...), checked against the
             drafter's own forward on the first step of each call.
         compile (`bool` or `"auto"`): `torch.compile` the static cache's one-token draft step; `"auto"` = once this
-            process has drafted enough eager steps to pay for the compilation (see `compile_policy`).
+            process has drafted enough eager steps to pay for the compilation (see `compile_policy`); never with
+            `policy="dynamic"`, whose steps hand their queries to the cache.
         draft_length (`int` or `str`, defaults to `"adaptive"`): tokens drafted per round: `"adaptive"` (chosen each
             round from the call's measured costs and acceptance, 0 = a plain AR step), `"heuristic"`
             (transformers' schedule), or a fixed int. `num_assistant_tokens=` passed to `generate()` sets a fixed γ.
@@ -182,7 +185,8 @@ class DraftSpec:
         if self.query_scored:
             raise ValueError(
                 f"prefill_window cannot serve policy={self.policy!r}, which scores the prefix with the prefill's "
-                "queries; use policy='chunk' (query_proxy='last_key') or 'streaming', or drop prefill_window"
+                "queries or keeps the whole prompt to select from; use policy='chunk' (query_proxy='last_key') or "
+                "'streaming', or drop prefill_window"
             )
 
     @classmethod
@@ -236,10 +240,17 @@ class DraftSpec:
 
     @property
     def query_scored(self) -> bool:
-        """Whether the budgeted policy scores the prefix with the prefill's queries (snapkv, chunk on queries)."""
-        return (
-            self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).needs_queries
-        )
+        """Whether the budgeted policy scores the prefix with the prefill's queries (snapkv, chunk on queries), or
+        selects again with every step's (dynamic): the draft's forwards then hand their queries to the cache."""
+        if self.cache != "budgeted":
+            return False
+        policy = get_policy(self.policy, **(self.policy_kwargs or {}))
+        return policy.needs_queries or policy.refreshes
+
+    @property
+    def refreshes(self) -> bool:
+        """Whether the budgeted policy selects again at every draft step (dynamic)."""
+        return self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).refreshes
 
     def resolved_prefill_window(self, drafter_config, batched: bool) -> int | None:
         """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (`batched`: a call of

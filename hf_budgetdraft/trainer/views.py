@@ -176,6 +176,12 @@ class SparseViewSpec:
             raise ValueError(f"view kind must be one of {VIEW_KINDS}, got {self.kind!r}")
         self.policy = get_policy(self.policy, **(self.policy_kwargs or {}))
         self.policy_kwargs = None  # folded into the policy instance
+        if self.kind == "budgeted" and self.policy.refreshes:
+            raise ValueError(
+                f"policy={self.policy.name!r} selects again at every draft step with that step's query; a training "
+                "view selects once, after the prefix. Train with policy='chunk' (its prefill selection) and draft with "
+                f"{self.policy.name!r}"
+            )
 
     @property
     def query_window(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .chunk import ChunkPolicy
+from .dynamic import DynamicChunkPolicy
 from .keep_policy import KeepPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
@@ -11,6 +12,7 @@ POLICIES: dict[str, type[KeepPolicy]] = {
     ChunkPolicy.name: ChunkPolicy,
     StreamingPolicy.name: StreamingPolicy,
     SnapKVPolicy.name: SnapKVPolicy,
+    DynamicChunkPolicy.name: DynamicChunkPolicy,
 }
 
 
@@ -30,4 +32,12 @@ def get_policy(policy: str | KeepPolicy, **policy_kwargs) -> KeepPolicy:
         raise ValueError(f"bad policy_kwargs for policy={policy!r}: {error}") from None
 
 
-__all__ = ["POLICIES", "ChunkPolicy", "KeepPolicy", "SnapKVPolicy", "StreamingPolicy", "get_policy"]
+__all__ = [
+    "POLICIES",
+    "ChunkPolicy",
+    "DynamicChunkPolicy",
+    "KeepPolicy",
+    "SnapKVPolicy",
+    "StreamingPolicy",
+    "get_policy",
+]

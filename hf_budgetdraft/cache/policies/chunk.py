@@ -65,8 +65,14 @@ class ChunkPolicy(KeepPolicy):
         scores = torch.einsum("bhcd,bhd->bhc", chunk_means.float(), proxy.float())  # (B, H, num_chunks)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
         chosen = scores.topk(keep_chunks, dim=-1).indices.sort(dim=-1).values  # (B, H, keep_chunks)
+        return chunk_positions(chosen, size, length)
 
-        offsets = torch.arange(size, device=keys.device)
-        positions = (chosen[..., None] * size + offsets).flatten(-2)  # (B, H, keep_chunks * size)
-        trailing = torch.arange(num_chunks * size, length, device=keys.device).expand(batch, heads, tail)
-        return torch.cat([positions, trailing], dim=-1)
+
+def chunk_positions(chosen: torch.Tensor, size: int, length: int) -> torch.Tensor:
+    """`(B, H, k * size + tail)` ascending positions of the chunks `chosen` `(B, H, k)` (ascending) of a prefix of
+    `length` tokens, then its trailing partial chunk (`tail = length % size`)."""
+    batch, heads = chosen.shape[:2]
+    offsets = torch.arange(size, device=chosen.device)
+    positions = (chosen[..., None] * size + offsets).flatten(-2)  # (B, H, k * size)
+    trailing = torch.arange(length - length % size, length, device=chosen.device).expand(batch, heads, -1)
+    return torch.cat([positions, trailing], dim=-1)

@@ -15,6 +15,9 @@ class KeepPolicy(ABC):
     """
 
     name: str = ""
+    # whether each draft step selects again with its own query (`DynamicChunkPolicy`): the cache layer then keeps the
+    # prompt's keys and values (`index`) and calls `reselect` / `keys_at` at every step
+    refreshes: bool = False
 
     @property
     def needs_queries(self) -> bool:
