@@ -51,8 +51,8 @@ class DraftLayer(CacheLayerMixin):
         self.num_kept = 0  # n
         self.floor, self.floor_reason = 0, ""
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
-        # a refreshing selection's prompt (its key index and values), and the K/V a step returned, awaiting its queries
-        self.prompt: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a refreshing selection's index of the prompt (tensors), and the K/V a step returned, awaiting its queries
+        self.prompt: tuple[torch.Tensor, ...] | None = None
         self._refresh: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ class Selection:
         `n <= static_capacity` (queries `(B, H_q, L, D)` when `needs_queries`)."""
         raise NotImplementedError
 
-    def index(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def index(self, keys: torch.Tensor, values: torch.Tensor):
         """What a refreshing selection re-selects from after a prefill of these keys and values `(B, H, L, D)`
         (`None`: nothing, it never selects again)."""
         return None
@@ -106,19 +106,14 @@ class BudgetSelection(Selection):
             queries = queries[:, :, -self.policy.query_window :]
         return self.policy.select(keys, self.budget, queries)
 
-    def index(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A refreshing policy's index of the prompt's keys, and its values (`None`: the prompt fits the budget, or
-        the policy does not refresh)."""
+    def index(self, keys: torch.Tensor, values: torch.Tensor):
+        """A refreshing policy's index of the prompt's keys and values (`None`: the prompt fits the budget, or the
+        policy does not refresh)."""
         if not self.refreshes or keys.shape[-2] <= self.budget:
             return None
-        return self.policy.index(keys), values
+        return self.policy.index(keys, values)
 
-    def reselect(
-        self, prompt: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def reselect(self, prompt, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A step's positions `(B, H, n)` and the keys and values at them `(B, H, n, D)`, chosen with its last query
         `(B, H_q, D)` from `prompt` (what `index` returned)."""
-        index, values = prompt
-        positions = self.policy.reselect(index, query, self.budget)
-        kept_values = values.gather(2, positions[..., None].expand(-1, -1, -1, values.shape[-1]))
-        return positions, self.policy.keys_at(index, positions), kept_values
+        return self.policy.reselect(prompt, query, self.budget)

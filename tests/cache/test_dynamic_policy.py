@@ -59,12 +59,13 @@ def test_reselect_matches_a_naive_loop(components, length):
     generator = torch.Generator().manual_seed(length + components)
     keys = torch.randn(1, 2, length, 8, generator=generator)
     query = torch.randn(1, 4, 8, generator=generator)  # 4 query heads over 2 KV heads
+    values = torch.randn(1, 2, length, 8, generator=generator)
     policy = DynamicChunkPolicy(chunk_size=SIZE, components=components)
-    positions = policy.reselect(policy.index(keys), query, BUDGET)
+    positions, kept_keys, kept_values = policy.reselect(policy.index(keys, values), query, BUDGET)
     assert positions.tolist()[0] == naive_reselect(keys, query, BUDGET, SIZE, components)
     assert positions.shape[-1] == policy.select(keys, BUDGET).shape[-1]  # as many as the prefill kept
     index = positions[..., None].expand(-1, -1, -1, 8)
-    assert torch.equal(policy.keys_at(policy.index(keys), positions), keys.gather(2, index))
+    assert torch.equal(kept_keys, keys.gather(2, index)) and torch.equal(kept_values, values.gather(2, index))
 
 
 def test_a_query_finds_a_key_planted_far_back_on_few_channels():
@@ -74,7 +75,7 @@ def test_a_query_finds_a_key_planted_far_back_on_few_channels():
     query = torch.zeros(1, 1, 16)
     query[0, 0, 5] = 1.0
     policy = DynamicChunkPolicy(chunk_size=8, components=2)
-    assert 101 in policy.reselect(policy.index(keys), query, 24)[0, 0].tolist()
+    assert 101 in policy.reselect(policy.index(keys, keys), query, 24)[0][0, 0].tolist()
     assert 101 not in policy.select(keys, 24)[0, 0].tolist()  # the prefill's proxy (the last key) missed it
 
 
@@ -122,10 +123,10 @@ def test_each_step_attends_to_the_chunks_its_own_query_selects(static):
             logits.append(drafter(steps[:, k : k + 1], cache=cache).logits[0, -1])
             chosen.append(cache.layers[0].kept_positions.clone())
     assert any(not torch.equal(c, prefill_choice) for c in chosen)  # the steps did select otherwise
-    policy, index = cache.layers[0].selection.policy, cache.layers[0].prompt[0]
+    policy, index = cache.layers[0].selection.policy, cache.layers[0].prompt
     for k, positions in enumerate(chosen):  # each with its own query
         query = step_query(drafter, steps[:, k : k + 1], prompt.shape[1] + k)
-        assert torch.equal(positions, policy.reselect(index, query, BUDGET))
+        assert torch.equal(positions, policy.reselect(index, query, BUDGET)[0])
     for k, positions in enumerate(chosen):
         reference = BudgetedCache(drafter.config, policy=KeepThese(positions), **kwargs)
         with torch.no_grad():
@@ -146,10 +147,11 @@ def test_the_prompt_kept_to_select_from_is_counted():
             drafter(prompt, cache=cache)
     layer = caches["dynamic"].layers[0]
     prompt_bytes = sum(t.numel() * t.element_size() for t in layer.prompt)
-    assert prompt_bytes == 2 * layer.keys[:, :, :1].numel() * 90 * layer.keys.element_size()
-    assert caches["dynamic"].nbytes() == caches["chunk"].nbytes() + prompt_bytes * len(
-        caches["dynamic"].layers
-    )
+    per_position = layer.keys[:, :, :1].numel() * layer.keys.element_size()
+    # keys and values by chunk, plus the keys of the 88 positions in whole chunks channel-major
+    assert prompt_bytes == (2 * 90 + 88) * per_position
+    layers = len(caches["dynamic"].layers)
+    assert caches["dynamic"].nbytes() == caches["chunk"].nbytes() + prompt_bytes * layers
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,19 +8,32 @@ the query heads sharing a KV head) is largest, so a step reads `components / D` 
 A chunk scores the largest approximate `q·k` among its keys and query heads; chunk 0 (the sink) and the trailing
 partial chunk are always kept, as in `ChunkPolicy`, so every step keeps as many positions as the prefill did.
 
-The prefill's own selection is `ChunkPolicy`'s (the last key as the proxy). The cache layer keeps the whole prompt's
-keys (channel-major, for the score's channel reads) and values besides its static slots: the draft's attention
-reads the budget, its memory holds the prompt.
+The prefill's own selection is `ChunkPolicy`'s (the last key as the proxy). The cache layer keeps a `PromptIndex`
+besides its static slots: the prompt's keys channel-major (a score reads whole channels) and its keys and values in
+chunks (a selection copies whole chunks). The draft's attention reads the budget; its memory holds the prompt, its
+keys twice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .chunk import ChunkPolicy, chunk_positions
 from .keep_policy import KeepPolicy, group_queries
+
+
+class PromptIndex(NamedTuple):
+    """What a step selects from: the prompt's keys channel-major `(B, H, D, C * size)`, its keys and values in
+    chunks `(B, H, C, size, D)`, and its trailing partial chunk's keys and values `(B, H, tail, D)`."""
+
+    channels: torch.Tensor
+    key_chunks: torch.Tensor
+    value_chunks: torch.Tensor
+    tail_keys: torch.Tensor
+    tail_values: torch.Tensor
 
 
 @dataclass
@@ -49,31 +62,47 @@ class DynamicChunkPolicy(KeepPolicy):
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
         return self.prefill_policy._select(keys, budget, None)
 
-    def index(self, keys: torch.Tensor) -> torch.Tensor:
-        """What a step scores: the prompt's keys `(B, H, L, D)` channel-major, `(B, H, D, L)`."""
-        return keys.transpose(-1, -2).contiguous()
+    def index(self, keys: torch.Tensor, values: torch.Tensor) -> PromptIndex:
+        """The `PromptIndex` of a prompt's keys and values `(B, H, L, D)`."""
+        batch, heads, length, dim = keys.shape
+        whole = length - length % self.chunk_size
+        chunked = (batch, heads, whole // self.chunk_size, self.chunk_size, dim)
+        return PromptIndex(
+            channels=keys[:, :, :whole].transpose(-1, -2).contiguous(),
+            key_chunks=keys[:, :, :whole].reshape(chunked),
+            value_chunks=values[:, :, :whole].reshape(chunked),
+            tail_keys=keys[:, :, whole:].contiguous(),
+            tail_values=values[:, :, whole:].contiguous(),
+        )
 
-    def reselect(self, index: torch.Tensor, query: torch.Tensor, budget: int) -> torch.Tensor:
-        """`(B, H, n)` ascending prompt positions for a step whose last query is `query` `(B, H_q, D)` (times the
-        attention scaling), from `index` (`index(keys)` of a prompt longer than `budget`); `n` as `select` keeps."""
-        batch, heads, dim, length = index.shape
-        size = self.chunk_size
-        num_chunks, tail = divmod(length, size)
-        keep_chunks = (budget - tail) // size
-        grouped = group_queries(query[:, :, None], heads)[:, :, :, 0].float()  # (B, H, G, D)
-        keys = index[..., : num_chunks * size].float()  # (B, H, D, C * size)
+    def reselect(
+        self, index: PromptIndex, query: torch.Tensor, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's `(positions (B, H, n), keys, values (B, H, n, D))`, ascending, `n` as `select` keeps, chosen
+        with its last query `(B, H_q, D)` (times the attention scaling) from `index` (of a prompt longer than
+        `budget`)."""
+        batch, heads, num_chunks, size, dim = index.key_chunks.shape
+        tail = index.tail_keys.shape[-2]
+        rows = torch.arange(batch, device=query.device)[:, None, None]
+        cols = torch.arange(heads, device=query.device)[None, :, None]
+        grouped = group_queries(query[:, :, None], heads)[:, :, :, 0]  # (B, H, G, D)
+        keys = index.channels  # (B, H, D, C * size)
         if 0 < self.components < dim:
             channels = grouped.abs().sum(2).topk(self.components, dim=-1).indices  # (B, H, r)
             grouped = grouped.gather(-1, channels[:, :, None].expand(-1, -1, grouped.shape[2], -1))
-            keys = keys.gather(
-                2, channels[..., None].expand(-1, -1, -1, keys.shape[-1])
-            )  # (B, H, r, C * size)
-        scores = grouped @ keys  # (B, H, G, C * size)
+            keys = keys[rows, cols, channels]  # (B, H, r, C * size): whole channels
+        scores = (grouped.to(keys.dtype) @ keys).float()  # (B, H, G, C * size)
         scores = scores.view(batch, heads, -1, num_chunks, size).amax(dim=(2, 4))  # (B, H, C)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
-        chosen = scores.topk(keep_chunks, dim=-1).indices.sort(dim=-1).values
-        return chunk_positions(chosen, size, length)
+        chosen = scores.topk((budget - tail) // size, dim=-1).indices.sort(dim=-1).values  # (B, H, k)
 
-    def keys_at(self, index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The keys `(B, H, n, D)` at `positions` `(B, H, n)` from `index`."""
-        return index.gather(-1, positions[:, :, None].expand(-1, -1, index.shape[2], -1)).transpose(-1, -2)
+        def gather(chunks: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
+            kept = chunks[rows, cols, chosen].flatten(2, 3)  # (B, H, k * size, D): whole chunks
+            return torch.cat([kept, trailing], dim=2)
+
+        positions = chunk_positions(chosen, size, num_chunks * size + tail)
+        return (
+            positions,
+            gather(index.key_chunks, index.tail_keys),
+            gather(index.value_chunks, index.tail_values),
+        )

@@ -16,7 +16,7 @@ class KeepPolicy(ABC):
 
     name: str = ""
     # whether each draft step selects again with its own query (`DynamicChunkPolicy`): the cache layer then keeps the
-    # prompt's keys and values (`index`) and calls `reselect` / `keys_at` at every step
+    # prompt's `index(keys, values)` and calls `reselect` at every step
     refreshes: bool = False
 
     @property
