@@ -96,7 +96,7 @@ class _DraftFlags:
         default=None, metadata={"help": "budgeted: prefix tokens kept per KV head (512)."}
     )
     policy: str | None = field(
-        default=None, metadata={"help": "budgeted: chunk (default) | streaming | snapkv."}
+        default=None, metadata={"help": "budgeted: chunk (default) | streaming | snapkv | dynamic."}
     )
     num_sink_tokens: int | None = field(default=None, metadata={"help": "sink_window: sink tokens (64)."})
     window_length: int | None = field(

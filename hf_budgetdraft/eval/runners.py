@@ -43,7 +43,7 @@ class MethodSpec:
     Attributes:
         method (`str`): `ar` | `assisted` | `prompt_lookup` | `mtp`.
         cache (`str`): the draft's cache: `none` (AR, prompt lookup) | `full` | `sink_window` | `budgeted`.
-        policy (`str`, *optional*): the budgeted cache's selection policy (`chunk`, `streaming`, `snapkv`).
+        policy (`str`, *optional*): the budgeted cache's selection policy (`chunk`, `streaming`, `snapkv`, `dynamic`).
         budget (`int`, *optional*): prefix keys the draft reads (see the module docstring).
         gamma (`int`): draft tokens per round (MTP: the number of MTP layers; AR: 0).
         target (`str`): which target model runs (`"target"`, or `"mtp"` for the MTP model).
@@ -88,7 +88,7 @@ class MethodSpec:
         if self.cache in ("sink_window", "budgeted") and not (self.budget and self.budget > 0):
             raise ValueError(f"cache={self.cache!r} needs a budget > 0, got {self.budget}")
         if self.cache == "budgeted" and not self.policy:
-            raise ValueError("cache='budgeted' needs a policy (chunk, streaming or snapkv)")
+            raise ValueError("cache='budgeted' needs a policy (chunk, streaming, snapkv or dynamic)")
         if self.compiled and not (self.method == "assisted" and self.cache in ("sink_window", "budgeted")):
             raise ValueError(
                 f"compiled=True needs method 'assisted' with a sparse draft cache, got {self.method!r}/{self.cache!r}"
