@@ -154,6 +154,26 @@ def test_the_prompt_kept_to_select_from_is_counted():
     assert caches["dynamic"].nbytes() == caches["chunk"].nbytes() + prompt_bytes * layers
 
 
+@pytest.mark.parametrize(
+    "run", [{}, {"static": False}, {"static": True, "lean_step": False}, {"device_round": True}], ids=str
+)
+def test_every_single_sequence_path_stays_lossless(run):
+    """The lean step, the drafter's own forward on either storage, and the device round's own loop: each step's
+    queries reach the cache (else the next step raises) and the output is the target's."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    ids = random_prompt(240)
+    config = {"budget": 48, "policy": "dynamic", "policy_kwargs": {"components": 4}, **run}
+    out = target.generate(
+        ids,
+        assistant_model=drafter,
+        do_sample=False,
+        max_new_tokens=40,
+        cache_implementation="budgeted",
+        cache_config=config,
+    )
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # refused where it cannot run
 # ---------------------------------------------------------------------------------------------------------------
