@@ -81,15 +81,6 @@ def cancel_request(receiver: QueryReceiver) -> bool:
     return False
 
 
-def serve_request(layer_idx: int | None, queries: torch.Tensor, scaling: float) -> None:
-    """Hand `queries` `(B, H_q, q, D)` times `scaling` (the attention's) to a request of layer `layer_idx`, if one
-    is pending: what the capturing attention functions do, for code that calls an attention function itself (the lean
-    draft step)."""
-    pending = _request.get()
-    if pending is not None and pending.layer_idx == layer_idx:
-        _deliver(pending, queries * scaling)
-
-
 def _deliver(pending: _Request, queries: torch.Tensor) -> None:
     _request.set(None)
     pending.receiver.receive_queries(queries)  # (B, H_q, q_len, D), times the attention scaling
@@ -97,8 +88,10 @@ def _deliver(pending: _Request, queries: torch.Tensor) -> None:
 
 def _make_capturing(base: str) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        serve_request(getattr(module, "layer_idx", None), query, scaling)
+        pending = _request.get()
+        if pending is not None and pending.layer_idx == getattr(module, "layer_idx", None):
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            _deliver(pending, query * scaling)
         function = _SDPA_FUNCTIONS.get(base) or family_eager_attention(module, _NO_EAGER)
         return function(module, query, key, value, attention_mask, **kwargs)
 

@@ -115,11 +115,14 @@ class DraftLayer(CacheLayerMixin):
 
     def _reselect(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
         """Fill the static slots, and the static part of a step's `keys`/`values`, with the prompt positions the
-        step's last query `(B, H_q, D)` selects."""
+        step's last query `(B, H_q, D)` (times the scaling) selects. Every kept position is a prompt position, which
+        every later query reads: the slots' visibility needs no update."""
         self._refresh = None
         positions, kept_keys, kept_values = self.selection.reselect(self.prompt, query)
-        self.kept_positions = positions
-        self._store_static(kept_keys, kept_values, positions)
+        if not torch.compiler.is_compiling():  # bookkeeping a replayed graph could not keep
+            self.kept_positions = positions
+        for buffer, kept in ((self.keys, kept_keys), (self.values, kept_values)):
+            buffer[:, :, : self.num_kept].copy_(kept)
         if keys is not self.keys:  # the dynamic layer returned a copy: `[static, window, new]`
             keys[:, :, : self.num_kept] = kept_keys
             values[:, :, : self.num_kept] = kept_values

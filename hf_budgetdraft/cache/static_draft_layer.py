@@ -124,8 +124,14 @@ class StaticDraftLayer(DraftLayer):
         self._step_tokens = tokens
         self._awaiting_attention = True
         attention_kwargs[STATIC_LAYER_KWARG] = self
-        self._ask_for_queries(self.keys, self.values)
         return self.keys, self.values
+
+    def before_attention(self, query: torch.Tensor, scaling: float) -> None:
+        """Called by the attention function of the step that just ran `update`, before it reads the buffers, with its
+        queries `(B, H_q, q, D)` and scaling: a refreshing selection re-selects the static slots with the last query
+        (fixed shapes, in place: a compiled step holds it too)."""
+        if self.prompt is not None:
+            self._reselect(self.keys, self.values, query[:, :, -1] * scaling)
 
     def _advance_known_length(self, tokens: int) -> None:
         if torch.compiler.is_compiling():

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from ..attention.query_capture import serve_request
 from ..attention.varlen import budgetdraft_varlen_attention_forward
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -115,9 +114,6 @@ class LeanDraftStep:
         query, key = rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
         kwargs = {}  # a static cache layer hands its slot mask to the attention function through these
         key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
-        serve_request(
-            attention.layer_idx, query, attention.scaling
-        )  # a refreshing selection re-selects with it
         out, _ = budgetdraft_varlen_attention_forward(
             attention, query, key, value, None, scaling=attention.scaling, **kwargs
         )

@@ -94,13 +94,6 @@ def compile_choice(
     asked = drafter.generation_config.compile_config
     config = asked or draft_step_compile_config(drafter.device)
     compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
-    if spec.refreshes:
-        if compiled is True:
-            raise ValueError(
-                f"compile=True cannot run policy={spec.policy!r}, whose draft steps hand their queries to the cache to "
-                "select again; drop compile (or use policy='chunk')"
-            )
-        return False, config, f"policy={spec.policy!r} selects with each step's queries (eager steps)"
     if compiled is True and not static:
         raise ValueError(
             "compile=True compiles the step of a static draft cache; drop compile or set static=True"

@@ -80,7 +80,7 @@ class DraftSpec:
         budget (`int`, defaults to 512): `budgeted`: prefix tokens kept per layer and KV head.
         policy (`str`, defaults to `"chunk"`): `budgeted`: `chunk` | `streaming` | `snapkv` (selected once, after the
             prefill) | `dynamic` (selected again at every draft step with its query; keeps the prompt's draft KV;
-            single sequences, eager steps).
+            single sequences).
         policy_kwargs (`dict`, *optional*): `budgeted`: the policy's hyper-parameters.
         num_sink_tokens (`int`, defaults to 64): `sink_window`: attention-sink tokens.
         window_length (`int`, *optional*): recent tokens the draft reads (default 1024 for `sink_window`, 256 for
@@ -93,8 +93,7 @@ class DraftSpec:
             for a static cache and a drafter of Llama's layout (Llama, Qwen2, Qwen3, ...), checked against the
             drafter's own forward on the first step of each call.
         compile (`bool` or `"auto"`): `torch.compile` the static cache's one-token draft step; `"auto"` = once this
-            process has drafted enough eager steps to pay for the compilation (see `compile_policy`); never with
-            `policy="dynamic"`, whose steps hand their queries to the cache.
+            process has drafted enough eager steps to pay for the compilation (see `compile_policy`).
         draft_length (`int` or `str`, defaults to `"adaptive"`): tokens drafted per round: `"adaptive"` (chosen each
             round from the call's measured costs and acceptance, 0 = a plain AR step), `"heuristic"`
             (transformers' schedule), or a fixed int. `num_assistant_tokens=` passed to `generate()` sets a fixed γ.

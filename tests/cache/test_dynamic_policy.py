@@ -4,15 +4,17 @@
 - a step of a tiny model attends to the chunks its own query selects, before attending (on the dynamic and the static
   storage): the same logits as a cache that kept exactly those positions from the start;
 - the prompt the layer keeps to select from is counted in its bytes;
-- refused where it cannot run: a missing query hand-over, a batch, a compiled step, a training view.
+- every single-sequence path stays lossless, a static cache's step compiled into one graph included;
+- refused where it cannot run: a missing query hand-over, a batch, a training view.
 """
 
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
+from transformers import CompileConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from hf_budgetdraft import BudgetedCache, query_capture
+from hf_budgetdraft import BudgetedCache, query_capture, record_speculation
 from hf_budgetdraft.cache import KeepPolicy
 from hf_budgetdraft.cache.policies import DynamicChunkPolicy
 from hf_budgetdraft.cache.ragged_draft import RaggedBudgetedCache
@@ -174,6 +176,32 @@ def test_every_single_sequence_path_stays_lossless(run):
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
 
 
+def test_a_static_step_reselects_inside_its_compiled_graph():
+    """On a static cache the step re-selects inside the attention function, with fixed shapes: the one-token step
+    compiles into one graph (`fullgraph=True`) reused over the whole call, and the output is still the target's."""
+    from test_static_cache import graph_counter
+
+    target, drafter = model_pair("llama", "budgetdraft_varlen", num_assistant_tokens=None)
+    backend, graphs = graph_counter()
+    drafter.generation_config.compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    ids = random_prompt(240)
+    torch._dynamo.reset()
+    try:
+        with record_speculation() as stats:
+            out = target.generate(
+                ids,
+                assistant_model=drafter,
+                do_sample=False,
+                max_new_tokens=40,
+                cache_implementation="budgeted",
+                cache_config={"budget": 48, "policy": "dynamic", "static": True, "draft_length": 3},
+            )
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
+    assert len(graphs) == 1 and stats.runtime["draft_step"]["compiled_calls"] > 10
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # refused where it cannot run
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,13 +227,5 @@ def test_where_the_dynamic_policy_cannot_run():
         SparseViewSpec(policy="dynamic")
     with pytest.raises(ValueError, match="Train with policy='chunk'"):
         BudgetDraftConfig(output_dir="unused", policy="dynamic")
-    with pytest.raises(ValueError, match="compile=True cannot run"):
-        target.generate(
-            random_prompt(40),
-            assistant_model=drafter,
-            max_new_tokens=2,
-            cache_implementation="budgeted",
-            cache_config={"budget": BUDGET, "policy": "dynamic", "static": True, "compile": True},
-        )
     with pytest.raises(ValueError, match="components must be"):
         DynamicChunkPolicy(components=-1)
