@@ -156,6 +156,20 @@ def test_the_prompt_kept_to_select_from_is_counted():
     assert caches["dynamic"].nbytes() == caches["chunk"].nbytes() + prompt_bytes * layers
 
 
+def speculate(target, drafter, ids, **cache_config):
+    """`(output, stats)` of the one-liner's greedy 40 tokens on a dynamic budget of 48 (`cache_config` adds to it)."""
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            do_sample=False,
+            max_new_tokens=40,
+            cache_implementation="budgeted",
+            cache_config={"budget": 48, "policy": "dynamic", **cache_config},
+        )
+    return out, stats
+
+
 @pytest.mark.parametrize(
     "run", [{}, {"static": False}, {"static": True, "lean_step": False}, {"device_round": True}], ids=str
 )
@@ -164,15 +178,7 @@ def test_every_single_sequence_path_stays_lossless(run):
     queries reach the cache (else the next step raises) and the output is the target's."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     ids = random_prompt(240)
-    config = {"budget": 48, "policy": "dynamic", "policy_kwargs": {"components": 4}, **run}
-    out = target.generate(
-        ids,
-        assistant_model=drafter,
-        do_sample=False,
-        max_new_tokens=40,
-        cache_implementation="budgeted",
-        cache_config=config,
-    )
+    out, _ = speculate(target, drafter, ids, policy_kwargs={"components": 4}, **run)
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
 
 
@@ -187,15 +193,7 @@ def test_a_static_step_reselects_inside_its_compiled_graph():
     ids = random_prompt(240)
     torch._dynamo.reset()
     try:
-        with record_speculation() as stats:
-            out = target.generate(
-                ids,
-                assistant_model=drafter,
-                do_sample=False,
-                max_new_tokens=40,
-                cache_implementation="budgeted",
-                cache_config={"budget": 48, "policy": "dynamic", "static": True, "draft_length": 3},
-            )
+        out, stats = speculate(target, drafter, ids, static=True, draft_length=3)
     finally:
         torch._dynamo.reset()
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
