@@ -60,7 +60,7 @@ class DynamicChunkPolicy(KeepPolicy):
         return self.prefill_policy.min_budget()
 
     def _select(self, keys: torch.Tensor, budget: int, queries: torch.Tensor | None) -> torch.Tensor:
-        return self.prefill_policy._select(keys, budget, None)
+        return self.prefill_policy.select(keys, budget)
 
     def index(self, keys: torch.Tensor, values: torch.Tensor) -> PromptIndex:
         """The `PromptIndex` of a prompt's keys and values `(B, H, L, D)`."""
