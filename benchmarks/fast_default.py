@@ -22,8 +22,8 @@ saw), and the bundled held-out play (King John). Rows:
   may have), both compared with the AR rows at the same temperature;
 - `full_prefill`: the one-liner with `cache_config={"prefill_window": None}` (the drafter prefills with full
   attention; the default prefills it in 1024-token windowed chunks);
-- `dynamic`: the one-liner with `cache_config={"policy": "dynamic"}` (the draft re-selects its budget at every step
-  with the step's query; a full prefill);
+- `dynamic`, `dynamic+compile`: the one-liner with `cache_config={"policy": "dynamic"}` (the draft re-selects its
+  budget at every step with the step's query; a full prefill), and with its step compiled;
 - `ar_fast_gemv`, `oneliner_gemv`: `ar_fast` and the one-liner with the target's linear layers on torch's own
   `F.linear` (few-row linear layers off: the default before them);
 - `mtp`, `mtp@T0.8`: the target's own MTP head, `target.generate(ids, use_mtp=True,
@@ -86,6 +86,7 @@ ROWS = {
     "greedy_drafter@T1.0": ({}, None, 1.0),
     "full_prefill": ({"prefill_window": None}, None, None),
     "dynamic": ({"policy": "dynamic"}, None, None),
+    "dynamic+compile": ({"policy": "dynamic", "compile": True}, None, None),
     "ar_fast_gemv": (None, "fast", None),
     "oneliner_gemv": ({}, None, None),
     "mtp": ({}, "mtp", None),
