@@ -389,8 +389,8 @@ def markdown(results: list[dict], args, command: str) -> str:
         head += (
             f" `one-liner` = the one-liner with its defaults on the first {args.speed_prompts} prompts, "
             f"{args.speed_tokens} tokens each (`one_liner_speed.py`): decode speed-up over plain AR on the same "
-            "prompt (median [min, max]), the share of outputs identical to AR's, its tokens a round; on a full "
-            "cache, the budget is the prompt's length."
+            "prompt, timed just before and after each call (median [min, max]), the share of outputs identical to "
+            "AR's, its tokens a round; on a full cache, the budget is the prompt's length."
         )
     columns = (
         "task | context | target correct | drafter | cache | answer tokens | accepted | agreement | a round"

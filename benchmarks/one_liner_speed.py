@@ -2,12 +2,13 @@
 `budget_evidence.py`.
 
 For one prompt, the target decodes `new_tokens` greedily on its own (transformers' default cache: the reference),
-then the one-liner with its defaults (`generate(ids, assistant_model=drafter, cache_implementation="budgeted",
-cache_config={"budget": B, "policy": P})`; the full-cache row is the same call with the budget at the prompt's
-length and a window holding every new token, so the drafter keeps all it reads) for each drafter and cache, then
-the target alone again. A call's speed-up is its decode throughput (after the first emitted chunk; the whole call's
-when that chunk held every token) over the mean of the two AR calls around it, so a drift of the machine during one
-prompt reaches both sides; its output must be the reference's, token for token.
+then, for each drafter and cache, the one-liner with its defaults (`generate(ids, assistant_model=drafter,
+cache_implementation="budgeted", cache_config={"budget": B, "policy": P})`; the full-cache row is the same call with
+the budget at the prompt's length and a window holding every new token, so the drafter keeps all it reads) followed
+by the target alone again. A call's speed-up is its decode throughput (after the first emitted chunk; the whole
+call's when that chunk held every token) over the mean of the two AR calls just before and after it: this machine's
+AR speed drifts by tens of percent within minutes, so each call is compared with the AR of its own moment, not with
+AR timed once before and once after every call of the prompt. Its output must be the reference's, token for token.
 """
 
 from __future__ import annotations
@@ -51,30 +52,25 @@ def paired_speeds(
     """Per `(drafter name, budget)`: `speedup` over AR, `decode_tokens_per_s`, `identical` (bool: the output is
     the reference's), `tokens_per_round` (accepted draft tokens a round + the target's own; `None` without
     rounds) and `ar_rounds` (rounds the draft-length policy ran as plain AR steps). `prompt` `(1, L)`."""
-    before = timed_generate(target, prompt, new_tokens)
-    runs = {
-        (name, budget): timed_generate(
-            target,
-            prompt,
-            new_tokens,
-            **one_liner_kwargs(drafter, budget, prompt.shape[1], new_tokens, policy),
-        )
-        for name, drafter in drafters.items()
-        for budget in budgets
-    }
-    after = timed_generate(target, prompt, new_tokens)
-    ar = statistics.mean([decode_rate(before), decode_rate(after)])
-    return {
-        key: {
+    ar_runs = [timed_generate(target, prompt, new_tokens)]  # ar_runs[i], ar_runs[i + 1]: around call i
+    runs = {}
+    for name, drafter in drafters.items():
+        for budget in budgets:
+            kwargs = one_liner_kwargs(drafter, budget, prompt.shape[1], new_tokens, policy)
+            runs[(name, budget)] = timed_generate(target, prompt, new_tokens, **kwargs)
+            ar_runs.append(timed_generate(target, prompt, new_tokens))
+    speeds = {}
+    for index, (key, run) in enumerate(runs.items()):
+        ar = statistics.mean([decode_rate(ar_runs[index]), decode_rate(ar_runs[index + 1])])
+        speeds[key] = {
             "speedup": decode_rate(run) / ar,
             "decode_tokens_per_s": decode_rate(run),
             "ar_decode_tokens_per_s": ar,
-            "identical": bool(torch.equal(run.new_ids, before.new_ids)),
+            "identical": bool(torch.equal(run.new_ids, ar_runs[0].new_ids)),
             "tokens_per_round": run.stats.mean_accepted_length if run.stats.rounds else None,
             "ar_rounds": run.stats.ar_rounds,
         }
-        for key, run in runs.items()
-    }
+    return speeds
 
 
 def summarise_speeds(rows: list[dict]) -> dict:

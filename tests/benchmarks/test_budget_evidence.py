@@ -56,3 +56,31 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
     table = out.with_suffix(".md").read_text()
     assert "| one-liner speed-up | identical |" in table and f"policy `{policy}`" in table
     assert table.count("\n| copy |") == 4 and table.count("\n| retrieval |") == 4
+
+
+def test_each_one_liner_call_is_compared_with_the_ar_of_its_own_moment(monkeypatch):
+    """The machine's AR speed drifts; every one-liner call is divided by the mean of the AR calls just before and
+    after it. Fake calls whose speeds all double from one call to the next give every one-liner call the same ratio to
+    the AR around it (compared with the first and last AR of the prompt instead, they would range over 4x)."""
+    load_benchmark()  # puts benchmarks/ on the path
+    import one_liner_speed
+
+    calls = []
+
+    def fake_timed_generate(target, prompt, new_tokens, **kwargs):
+        rate = (
+            100.0 * 2 ** len(calls) * (1.5 if kwargs else 1.0)
+        )  # a one-liner call 1.5x the AR of its moment
+        calls.append(kwargs)
+        stats = type("Stats", (), {"rounds": 0, "mean_accepted_length": None, "ar_rounds": 0})()
+        run = type("Run", (), {"decode_tokens_per_second": rate, "tokens_per_second": rate})()
+        run.new_ids, run.stats = torch.arange(new_tokens), stats
+        return run
+
+    monkeypatch.setattr(one_liner_speed, "timed_generate", fake_timed_generate)
+    drafters = {"a": object(), "b": object()}
+    speeds = one_liner_speed.paired_speeds(None, drafters, torch.zeros(1, 16, dtype=torch.long), 4, [None, 8])
+    assert [bool(kwargs) for kwargs in calls] == [False, True, False, True, False, True, False, True, False]
+    # call i runs at 1.5 * 100 * 2^(2i + 1), between AR calls at 100 * 2^(2i) and 100 * 2^(2i + 2)
+    assert [round(row["speedup"], 6) for row in speeds.values()] == [round(1.5 * 2 / 2.5, 6)] * 4
+    assert all(row["identical"] for row in speeds.values())
