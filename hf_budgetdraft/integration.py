@@ -326,8 +326,8 @@ def _prepare_cache_for_generation(
         and not self.config._attn_implementation.startswith(CAPTURE_PREFIX)
     ):
         raise ValueError(
-            f"policy={policy.name!r} scores the prefix with queries; without a draft, run the call inside "
-            "`with hf_budgetdraft.query_capture(model):`"
+            f"policy={policy.name!r} scores the prefix with queries (the prefill's, or each step's); without a "
+            "draft, run the call inside `with hf_budgetdraft.query_capture(model):`"
         )
     model_kwargs[CACHE_KWARG] = cache
 

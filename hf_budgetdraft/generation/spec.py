@@ -246,11 +246,6 @@ class DraftSpec:
         policy = get_policy(self.policy, **(self.policy_kwargs or {}))
         return policy.needs_queries or policy.refreshes
 
-    @property
-    def refreshes(self) -> bool:
-        """Whether the budgeted policy selects again at every draft step (dynamic)."""
-        return self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).refreshes
-
     def resolved_prefill_window(self, drafter_config, batched: bool) -> int | None:
         """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (`batched`: a call of
         several rows, which prefills each row in full)."""
