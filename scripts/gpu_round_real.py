@@ -29,6 +29,8 @@ PATHS = {
     "device_round_verify_eager": ("budgeted", {"device_round": True, "compile_verify": False}),
     "transformers_loop_static": ("budgeted", {"static": True, "device_round": False}),
     "transformers_loop_sink_window_dynamic": ("sink_window", {"static": False, "device_round": False}),
+    # the draft's budget selected again at every step, inside the compiled step's attention
+    "oneliner_policy_dynamic": ("budgeted", {"policy": "dynamic"}),
 }
 SIZES = {
     "gpu": dict(context=8192, new_tokens=128, repeats=3),

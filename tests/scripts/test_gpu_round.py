@@ -56,4 +56,5 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
         assert all(row["diff_tokens"] == 0 for row in paths["batch_of_4"].values())
         assert paths["device_round_sink_window_static"]["runtime"]["loop"] == "device_round"
         assert paths["transformers_loop_static"]["runtime"]["loop"] == "transformers"
+        assert paths["oneliner_policy_dynamic"]["diff_tokens"] == 0
     assert real["speed"]["runtime"]["loop"] == "device_round" and real["speed"]["d_over_b"] > 0
