@@ -47,7 +47,7 @@ class DraftLayer(CacheLayerMixin):
     def _clear_host_state(self) -> None:
         self.known_length: int | None = 0  # the logical length L on the host
         self.prefix_length: int | None = None  # the prompt's length, set by the prefill
-        self.kept_positions: torch.Tensor | None = None  # (B, H, n) prompt positions in the static slots
+        self.kept_positions = None  # (B, H, n) prompt positions in the static slots
         self.num_kept = 0  # n
         self.floor, self.floor_reason = 0, ""
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill K/V awaiting queries
@@ -118,14 +118,25 @@ class DraftLayer(CacheLayerMixin):
         step's last query `(B, H_q, D)` (times the scaling) selects. Every kept position is a prompt position, which
         every later query reads: the slots' visibility needs no update."""
         self._refresh = None
-        positions, kept_keys, kept_values = self.selection.reselect(self.prompt, query)
+        choice, kept_keys, kept_values = self.selection.reselect(self.prompt, query)
         if not torch.compiler.is_compiling():  # bookkeeping a replayed graph could not keep
-            self.kept_positions = positions
+            self._choice = choice  # turned into positions only if read
         for buffer, kept in ((self.keys, kept_keys), (self.values, kept_values)):
             buffer[:, :, : self.num_kept].copy_(kept)
         if keys is not self.keys:  # the dynamic layer returned a copy: `[static, window, new]`
             keys[:, :, : self.num_kept] = kept_keys
             values[:, :, : self.num_kept] = kept_values
+
+    @property
+    def kept_positions(self) -> torch.Tensor | None:
+        """`(B, H, n)` the prompt positions in the static slots (a refreshing selection's latest choice)."""
+        if self._choice is not None:
+            self._kept_positions, self._choice = self.selection.positions(self._choice, self.prompt), None
+        return self._kept_positions
+
+    @kept_positions.setter
+    def kept_positions(self, positions: torch.Tensor | None) -> None:
+        self._kept_positions, self._choice = positions, None
 
     def _check_refreshed(self) -> None:
         if self._refresh is not None:

@@ -114,6 +114,9 @@ class BudgetSelection(Selection):
         return self.policy.index(keys, values)
 
     def reselect(self, prompt, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A step's positions `(B, H, n)` and the keys and values at them `(B, H, n, D)`, chosen with its last query
-        `(B, H_q, D)` from `prompt` (what `index` returned)."""
+        """A step's choice and the keys and values it keeps `(B, H, n, D)`, chosen with its last query `(B, H_q, D)`
+        from `prompt` (what `index` returned); `positions(choice, prompt)`: the positions `(B, H, n)`."""
         return self.policy.reselect(prompt, query, self.budget)
+
+    def positions(self, choice: torch.Tensor, prompt) -> torch.Tensor:
+        return self.policy.positions(choice, prompt)

@@ -5,6 +5,8 @@ follows a thread far back needs different chunks at every step. Like Quest (Tang
 step scores the prompt's chunks with its own query and reads only the best ones; the scores are SparQ's
 approximation (Ribar et al., arXiv 2312.04985): `q·k` over the `components` channels where the query (summed over
 the query heads sharing a KV head) is largest, so a step reads `components / D` of the prompt's keys to score it.
+Copying those channels out and multiplying over them passes over `components` rows three times: where that is not
+less than the `D` rows of an exact score (`3 · components >= D`), the score is exact.
 A chunk scores the largest approximate `q·k` among its keys and query heads; chunk 0 (the sink) and the trailing
 partial chunk are always kept, as in `ChunkPolicy`, so every step keeps as many positions as the prefill did.
 
@@ -27,13 +29,16 @@ from .keep_policy import KeepPolicy, group_queries
 
 class PromptIndex(NamedTuple):
     """What a step selects from: the prompt's keys channel-major `(B, H, D, C * size)`, its keys and values in
-    chunks `(B, H, C, size, D)`, and its trailing partial chunk's keys and values `(B, H, tail, D)`."""
+    chunks `(B, H, C, size, D)`, its trailing partial chunk's keys and values `(B, H, tail, D)`, and the batch and
+    head indices `(B, 1, 1)`, `(1, H, 1)` that pick a chunk or channel per row and head."""
 
     channels: torch.Tensor
     key_chunks: torch.Tensor
     value_chunks: torch.Tensor
     tail_keys: torch.Tensor
     tail_values: torch.Tensor
+    rows: torch.Tensor
+    heads: torch.Tensor
 
 
 @dataclass
@@ -73,36 +78,42 @@ class DynamicChunkPolicy(KeepPolicy):
             value_chunks=values[:, :, :whole].reshape(chunked),
             tail_keys=keys[:, :, whole:].contiguous(),
             tail_values=values[:, :, whole:].contiguous(),
+            rows=torch.arange(batch, device=keys.device)[:, None, None],
+            heads=torch.arange(heads, device=keys.device)[None, :, None],
         )
 
     def reselect(
         self, index: PromptIndex, query: torch.Tensor, budget: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A step's `(positions (B, H, n), keys, values (B, H, n, D))`, ascending, `n` as `select` keeps, chosen
-        with its last query `(B, H_q, D)` (times the attention scaling) from `index` (of a prompt longer than
-        `budget`)."""
+        """A step's `(chunks (B, H, k), keys, values (B, H, n, D))`: the chunks chosen with its last query `(B, H_q, D)`
+        (times the attention scaling) from `index` (of a prompt longer than `budget`), ascending, and the keys and
+        values of their positions (`positions(chunks, index)`, `n` as `select` keeps)."""
         batch, heads, num_chunks, size, dim = index.key_chunks.shape
-        tail = index.tail_keys.shape[-2]
-        rows = torch.arange(batch, device=query.device)[:, None, None]
-        cols = torch.arange(heads, device=query.device)[None, :, None]
+        rows, cols = index.rows, index.heads
         grouped = group_queries(query[:, :, None], heads)[:, :, :, 0]  # (B, H, G, D)
         keys = index.channels  # (B, H, D, C * size)
-        if 0 < self.components < dim:
+        if self.components > 0 and 3 * self.components < dim:
             channels = grouped.abs().sum(2).topk(self.components, dim=-1).indices  # (B, H, r)
             grouped = grouped.gather(-1, channels[:, :, None].expand(-1, -1, grouped.shape[2], -1))
             keys = keys[rows, cols, channels]  # (B, H, r, C * size): whole channels
         scores = (grouped.to(keys.dtype) @ keys).float()  # (B, H, G, C * size)
         scores = scores.view(batch, heads, -1, num_chunks, size).amax(dim=(2, 4))  # (B, H, C)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
+        tail = index.tail_keys.shape[-2]
         chosen = scores.topk((budget - tail) // size, dim=-1).indices.sort(dim=-1).values  # (B, H, k)
 
         def gather(chunks: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
             kept = chunks[rows, cols, chosen].flatten(2, 3)  # (B, H, k * size, D): whole chunks
-            return torch.cat([kept, trailing], dim=2)
+            return torch.cat([kept, trailing], dim=2) if tail else kept
 
-        positions = chunk_positions(chosen, size, num_chunks * size + tail)
         return (
-            positions,
+            chosen,
             gather(index.key_chunks, index.tail_keys),
             gather(index.value_chunks, index.tail_values),
         )
+
+    @staticmethod
+    def positions(chunks: torch.Tensor, index: PromptIndex) -> torch.Tensor:
+        """`(B, H, n)` ascending prompt positions of the chunks `reselect` chose, then the trailing partial chunk."""
+        num_chunks, size = index.key_chunks.shape[2:4]
+        return chunk_positions(chunks, size, num_chunks * size + index.tail_keys.shape[-2])
