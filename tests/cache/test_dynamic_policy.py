@@ -10,11 +10,12 @@
 
 import pytest
 import torch
+from test_generate_equivalence import CACHES, NEW_TOKENS, speculate
 from tiny_models import model_pair, random_prompt
 from transformers import CompileConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from hf_budgetdraft import BudgetedCache, query_capture, record_speculation
+from hf_budgetdraft import BudgetedCache, query_capture
 from hf_budgetdraft.cache import KeepPolicy
 from hf_budgetdraft.cache.policies import DynamicChunkPolicy
 from hf_budgetdraft.cache.ragged_draft import RaggedBudgetedCache
@@ -160,20 +161,6 @@ def test_the_prompt_kept_to_select_from_is_counted():
     assert caches["dynamic"].nbytes() == caches["chunk"].nbytes() + prompt_bytes * layers
 
 
-def speculate(target, drafter, ids, **cache_config):
-    """`(output, stats)` of the one-liner's greedy 40 tokens on a dynamic budget of 48 (`cache_config` adds to it)."""
-    with record_speculation() as stats:
-        out = target.generate(
-            ids,
-            assistant_model=drafter,
-            do_sample=False,
-            max_new_tokens=40,
-            cache_implementation="budgeted",
-            cache_config={"budget": 48, "policy": "dynamic", **cache_config},
-        )
-    return out, stats
-
-
 @pytest.mark.parametrize(
     "run", [{}, {"static": False}, {"static": True, "lean_step": False}, {"device_round": True}], ids=str
 )
@@ -182,8 +169,10 @@ def test_every_single_sequence_path_stays_lossless(run):
     queries reach the cache (else the next step raises) and the output is the target's."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     ids = random_prompt(240)
-    out, _ = speculate(target, drafter, ids, policy_kwargs={"components": 4}, **run)
-    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
+    out, _ = speculate(
+        target, drafter, ids, "budgeted", cache_config={**CACHES["budgeted-dynamic"][1], **run}
+    )
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
 
 
 def test_a_static_step_reselects_inside_its_compiled_graph():
@@ -197,10 +186,11 @@ def test_a_static_step_reselects_inside_its_compiled_graph():
     ids = random_prompt(240)
     torch._dynamo.reset()
     try:
-        out, stats = speculate(target, drafter, ids, static=True, draft_length=3)
+        config = {"budget": 48, "policy": "dynamic", "static": True, "draft_length": 3}
+        out, stats = speculate(target, drafter, ids, "budgeted", cache_config=config)
     finally:
         torch._dynamo.reset()
-    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=40))
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
     assert len(graphs) == 1 and stats.runtime["draft_step"]["compiled_calls"] > 10
 
 
