@@ -114,22 +114,21 @@ class DraftLayer(CacheLayerMixin):
             request_queries(self, self.layer_idx, keys)
 
     def _reselect(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
-        """Fill the static slots, and the static part of a step's `keys`/`values`, with the prompt positions the
-        step's last query `(B, H_q, D)` (times the scaling) selects. Every kept position is a prompt position, which
-        every later query reads: the slots' visibility needs no update."""
+        """Fill the static part of the `keys`/`values` a step returned (the static layer's slots themselves, the
+        dynamic layer's `[static, window, new]` copy, which every step rebuilds from its slots before re-selecting)
+        with the prompt positions the step's last query `(B, H_q, D)` (times the scaling) selects. Every kept position
+        is a prompt position, which every later query reads: the slots' visibility needs no update."""
         self._refresh = None
         choice, kept_keys, kept_values = self.selection.reselect(self.prompt, query)
         if not torch.compiler.is_compiling():  # bookkeeping a replayed graph could not keep
             self._choice = choice  # turned into positions only if read
-        for buffer, kept in ((self.keys, kept_keys), (self.values, kept_values)):
-            buffer[:, :, : self.num_kept].copy_(kept)
-        if keys is not self.keys:  # the dynamic layer returned a copy: `[static, window, new]`
-            keys[:, :, : self.num_kept] = kept_keys
-            values[:, :, : self.num_kept] = kept_values
+        keys[:, :, : self.num_kept].copy_(kept_keys)
+        values[:, :, : self.num_kept].copy_(kept_values)
 
     @property
     def kept_positions(self) -> torch.Tensor | None:
-        """`(B, H, n)` the prompt positions in the static slots (a refreshing selection's latest choice)."""
+        """`(B, H, n)` the prompt positions in the static slots (a refreshing selection's: those the latest step
+        read)."""
         if self._choice is not None:
             self._kept_positions, self._choice = self.selection.positions(self._choice, self.prompt), None
         return self._kept_positions
