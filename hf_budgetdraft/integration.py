@@ -322,7 +322,7 @@ def _prepare_cache_for_generation(
     policy = getattr(cache, "policy", None)
     if (
         policy is not None
-        and (policy.needs_queries or policy.refreshes)
+        and policy.reads_queries
         and not self.config._attn_implementation.startswith(CAPTURE_PREFIX)
     ):
         raise ValueError(

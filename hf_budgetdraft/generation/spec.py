@@ -241,10 +241,9 @@ class DraftSpec:
     def query_scored(self) -> bool:
         """Whether the budgeted policy scores the prefix with the prefill's queries (snapkv, chunk on queries), or
         selects again with every step's (dynamic): the draft's forwards then hand their queries to the cache."""
-        if self.cache != "budgeted":
-            return False
-        policy = get_policy(self.policy, **(self.policy_kwargs or {}))
-        return policy.needs_queries or policy.refreshes
+        return (
+            self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).reads_queries
+        )
 
     def resolved_prefill_window(self, drafter_config, batched: bool) -> int | None:
         """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (`batched`: a call of

@@ -25,6 +25,12 @@ class KeepPolicy(ABC):
         return False
 
     @property
+    def reads_queries(self) -> bool:
+        """Whether a model on this policy's cache must hand queries to it (the query capture): the prefill's
+        (`needs_queries`) or every step's (`refreshes`)."""
+        return self.needs_queries or self.refreshes
+
+    @property
     def query_window(self) -> int:
         """How many of the last prefill queries `select` reads (0 when it needs none)."""
         return 0
