@@ -174,12 +174,13 @@ def markdown(records: list[dict], growth: dict, args) -> str:
             cell[n] for n in ("sink_window", "budgeted", "budgeted_compiled", "budgeted_dynamic")
         )
         mib = " / ".join(
-            f"{cell[n]['draft_cache_bytes'] / 2**20:.1f}" for n in ("full", "sink_window", "budgeted")
+            f"{cell[n]['draft_cache_bytes'] / 2**20:.1f}"
+            for n in ("full", "sink_window", "budgeted", "budgeted_dynamic")
         )
         rows.append(
             f"| {context} | {cell['full']['step_ms_median']:.2f} | {sw['step_ms_median']:.2f} | "
             f"{bd['step_ms_median']:.2f} | {bc['step_ms_median']:.2f} | {dy['step_ms_median']:.2f} | {ratio(sw)} | "
-            f"{ratio(bd)} | {ratio(bc)} | {ratio(dy)} | {mib} / {dy['draft_cache_bytes'] / 2**20:.1f} |"
+            f"{ratio(bd)} | {ratio(bc)} | {ratio(dy)} | {mib} |"
         )
     rows.append("")
     rows.append(
