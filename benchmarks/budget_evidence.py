@@ -24,7 +24,8 @@ teacher-forced through that cache. Reported per (task, context, drafter, cache):
 the answer would keep (the matching prefix; mean and 95% bootstrap interval), per-token agreement (Wilson 95%), the
 share of prompts whose needle the budget kept (every needle token in every layer and KV head of the drafter), and
 the accepted answer tokens split by kept / not kept; with `--speed-prompts N`, the one-liner's decode speed-up over
-plain AR on the first N prompts (`one_liner_speed.py`). `target correct` = the target's answer is the key (the scored
+plain AR on the first N prompts (`one_liner_speed.py`); with `--roles`, BudgetDraft's claim read as goals with
+paired intervals (`budget_goals.py`). `target correct` = the target's answer is the key (the scored
 tokens are its answer either way: acceptance is agreement with the target, right or wrong).
 Writes `<out>.json` and `<out>.md`. Run it alone: a second busy process on 2 cores stalls torch's threads.
 """
@@ -57,6 +58,7 @@ from hf_budgetdraft.eval.metrics import bootstrap_ci
 from hf_budgetdraft.runs.intervals import wilson_interval
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import budget_goals  # noqa: E402
 from one_liner_speed import paired_speeds, summarise_speeds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -205,6 +207,7 @@ def summarise(rows: list[dict], draws: int) -> dict:
         "answer_tokens": total / len(rows),
         "tokens_per_round": sum(per_round) / len(per_round),
         "tokens_per_round_ci": bootstrap_ci(per_round, np.mean, draws=draws, vectorized=True),
+        "per_prompt_tokens_per_round": per_round,  # in prompt order, the same prompts in every cell
     }
     kept = [r for r in rows if r["kept"] is not None]
     if kept:
@@ -286,6 +289,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also time the one-liner against plain AR on the first N prompts of each task and context",
     )
     parser.add_argument("--speed-tokens", type=int, default=64, help="tokens each timed call decodes")
+    parser.add_argument(
+        "--roles",
+        nargs="+",
+        default=None,
+        help="base=NAME budgetdraft=NAME lambda0=NAME: also judge BudgetDraft's claim (budget_goals.py)",
+    )
+    parser.add_argument(
+        "--goal-budgets",
+        type=int,
+        nargs="+",
+        default=list(budget_goals.GOAL_BUDGETS),
+        help="budgets --roles reads",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bootstrap-draws", type=int, default=2000)
@@ -295,6 +311,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    roles = budget_goals.parse_roles(args.roles) if args.roles else None
     torch.set_num_threads(args.threads)
     started = time.time()
     demo = load_demo_models()
@@ -307,6 +324,10 @@ def main(argv=None) -> None:
     if unknown:
         raise ValueError(f"--only got unknown drafters {unknown}; known: {sorted(drafters)}")
     drafters = {name: drafters[name] for name in wanted}
+    if roles is not None and not set(roles.values()) <= set(drafters):
+        raise ValueError(
+            f"--roles names {sorted(set(roles.values()) - set(drafters))}, not among {sorted(drafters)}"
+        )
     caches = [None, *args.budgets]
     rows: dict[tuple, list[dict]] = {}
     retrieved: dict[tuple, list[bool]] = {}
@@ -358,10 +379,15 @@ def main(argv=None) -> None:
         "threads": args.threads,
         "seconds": round(time.time() - started),
     }
+    report = {"meta": meta, "results": results}
+    table = markdown(results, args, command)
+    if roles is not None:
+        report["goals"] = budget_goals.goals(results, roles, args.bootstrap_draws, args.goal_budgets)
+        table += "\n" + budget_goals.markdown(report["goals"], roles)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(results, args, command))
-    print(markdown(results, args, command))
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
 
 
 def _interval(low_high) -> str:

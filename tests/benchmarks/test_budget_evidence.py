@@ -35,8 +35,13 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
     args = ["--target", str(tmp_path / "target"), "--only", "target", "base", "--tasks", "copy", "retrieval"]
     args += ["--contexts", "512", "--budgets", "64", "--prompts", "2", "--threads", "1", "--out", str(out)]
     args += ["--bootstrap-draws", "50", "--speed-prompts", "1", "--speed-tokens", "8", "--policy", policy]
+    args += ["--roles", "base=base", "budgetdraft=target", "lambda0=base", "--goal-budgets", "64"]
     load_benchmark().main(args)
-    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    results = report["results"]
+    assert [(g["task"], g["budget"]) for g in report["goals"]] == [("copy", 64), ("retrieval", 64)]
+    for row in results:  # the goals' paired intervals read each cell's prompts in the same order
+        assert len(row["per_prompt_tokens_per_round"]) == 2
     cells = {(r["task"], r["drafter"], r["cache"]) for r in results}
     assert cells == {
         (t, d, c) for t in ("copy", "retrieval") for d in ("target", "base") for c in ("full", "B=64")
@@ -55,7 +60,8 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
         assert row["speed_prompts"] == 1 and row["identical"] == 1.0 and row["speedup"] > 0
     table = out.with_suffix(".md").read_text()
     assert "| one-liner speed-up | identical |" in table and f"policy `{policy}`" in table
-    assert table.count("\n| copy |") == 4 and table.count("\n| retrieval |") == 4
+    assert table.count("\n| copy |") == 5 and table.count("\n| retrieval |") == 5  # and a goals row each
+    assert "## BudgetDraft's claim as goals" in table
 
 
 def test_each_one_liner_call_is_compared_with_the_ar_of_its_own_moment(monkeypatch):
