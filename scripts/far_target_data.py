@@ -3,8 +3,9 @@
 `prepare` tokenises `<corpus>/train.jsonl` and `<corpus>/eval.jsonl` (`scripts/prepare_corpus.py`'s split, by
 document) with the bundled tokenizer and cuts out of the training documents every `SPAN`-token window that also
 occurs in an evaluation document (`held_out`), so no evaluation document, nor a 64-token span of one, is trained on.
-It writes `train.safetensors` / `eval.safetensors` (int32 token streams, documents joined by EOS) and
-`prepare.json` (counts, spans cut), small enough to travel to a GPU machine.
+It writes `train.safetensors` / `eval.safetensors` (token streams, documents joined by EOS; int16 where the
+vocabulary fits, so the training stream travels to a GPU machine in 6 MB beside the wheels) and `prepare.json`
+(counts, spans cut).
 
 `Rows` draws the training rows, `length + 1` tokens with a 0/1 score mask of `length`:
 - `text`: natural text, every token scored;
@@ -108,10 +109,11 @@ def prepare(tokenizer, corpus: Path, out: Path) -> dict:
     encoded = {side: [_encode(tokenizer, text) for text in texts] for side, texts in docs.items()}
     train, cut = held_out(encoded["train"], encoded["eval"])
     eos = tokenizer.eos_token_id
+    dtype = torch.int16 if len(tokenizer) <= torch.iinfo(torch.int16).max + 1 else torch.int32
     out.mkdir(parents=True, exist_ok=True)
     for side, pieces in (("train", train), ("eval", encoded["eval"])):
         stream = [t for piece in pieces for t in [*piece, eos]]
-        save_file({"tokens": torch.tensor(stream, dtype=torch.int32)}, str(out / f"{side}.safetensors"))
+        save_file({"tokens": torch.tensor(stream, dtype=dtype)}, str(out / f"{side}.safetensors"))
     summary = {
         "documents": {side: len(texts) for side, texts in docs.items()},
         "train_tokens": sum(len(p) + 1 for p in train),

@@ -103,6 +103,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, default=Path("hf_budgetdraft/demo/tokenizer"))
     parser.add_argument("--out", type=Path, default=Path("runs/drafts"))
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=0.0,
+        help="time budget of the distillation after the induction phase (0: none): the schedule runs at the pace "
+        "of whichever of --steps and the time ends first",
+    )
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -126,6 +133,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=50, help="steps between induction-phase log lines")
     args = parser.parse_args()
     induction_phase.check_arguments(parser, args)
+    if args.minutes < 0:
+        parser.error(f"--minutes must be >= 0 (0: no time budget), got {args.minutes}")
     if args.far_mix:
         try:
             args.far_mix = far_target_data.parse_mix(args.far_mix)
@@ -188,6 +197,14 @@ def form_copying_head(drafter, rows: far_target_data.Rows, args, device: torch.d
     (args.out / "induction.json").write_text(json.dumps(record, indent=2))
     print(f"induction phase: {json.dumps(record)}", flush=True)
     return record
+
+
+def scheduled_step(step: int, seconds: float, args) -> int:
+    """Where the learning-rate schedule stands: `step` of `--steps`, or the share of `--minutes` spent if that is
+    further on (so a run the time ends still finishes its cosine)."""
+    if not args.minutes:
+        return step
+    return max(step, int(args.steps * seconds / (args.minutes * 60)))
 
 
 def save_checkpoint(checkpoint: Path, drafter, mtp, optimizer, step: int, sampler) -> None:
@@ -254,14 +271,14 @@ def main() -> None:
     if inducing:
         form_copying_head(drafter, far_rows, args, device)
     started, history = time.time(), []
-    while step < args.steps:
+    while step < args.steps and not (args.minutes and time.time() - started >= args.minutes * 60):
         # every position is distilled (KL to the target's distribution), so the samples' loss masks are unused
         _, rows, row_positions, _ = zip(
             *(sampler.sample(args.length, TRAINING_MIX) for _ in range(args.batch)), strict=True
         )
         ids, positions = torch.tensor(rows)[:, :-1].to(device), torch.tensor(row_positions)[:, :-1].to(device)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(scheduled_step(step, time.time() - started, args), args)
         history.append(distill_step(target, drafter, mtp, ids, positions, optimizer, parameters))
         step += 1
         if step % 20 == 0:
@@ -274,6 +291,8 @@ def main() -> None:
                 log.write(json.dumps(record) + "\n")
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(checkpoint, drafter, mtp, optimizer, step, sampler)
+    if step % args.save_every and step < args.steps:  # stopped by --minutes
+        save_checkpoint(checkpoint, drafter, mtp, optimizer, step, sampler)
 
     for model in (target, drafter, mtp):
         model.cpu()

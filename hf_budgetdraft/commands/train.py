@@ -61,6 +61,12 @@ class TrainScriptArguments:
             "for both kinds of call."
         },
     )
+    continuation_batch_size: int = field(
+        default=8,
+        metadata={
+            "help": "--continuations target: rows the target continues at once (equal-length prefixes)."
+        },
+    )
     precompute_teacher: bool = field(
         default=False,
         metadata={
@@ -113,6 +119,10 @@ class TrainScriptArguments:
             raise ValueError(f"--teacher_top_k must be >= 0, got {self.teacher_top_k}")
         if self.continuations not in ("text", "target"):
             raise ValueError(f"--continuations must be 'text' or 'target', got {self.continuations!r}")
+        if not 1 <= self.continuation_batch_size <= 4096:
+            raise ValueError(
+                f"--continuation_batch_size must be in [1, 4096], got {self.continuation_batch_size}"
+            )
         if not 0.0 <= self.sampled_continuations <= 1.0:
             raise ValueError(f"--sampled_continuations must be in [0, 1], got {self.sampled_continuations}")
         if self.sampled_continuations and self.continuations != "target":
@@ -219,6 +229,7 @@ def _teacher_targets(script: TrainScriptArguments, config: BudgetDraftConfig, ta
             target.to(config.device),
             config.prefix_length,
             config.continuation_length,
+            batch_size=script.continuation_batch_size,
             cache_dir=cache_dir,
             sampled_fraction=script.sampled_continuations,
             temperature=config.temperature,

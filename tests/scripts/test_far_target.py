@@ -9,32 +9,10 @@ import sys
 
 import far_target_data as data
 import pytest
+import safetensors.torch
 import torch
 from repo_paths import SCRIPTS
 from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaForCausalLM
-
-from hf_budgetdraft.demo.documents import DEMO_TEXT
-from hf_budgetdraft.demo.models import DEMO_DIR
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Five training documents and two evaluation documents; the first evaluation document quotes a 400-character
-    passage of the third training document."""
-    text = DEMO_TEXT.read_text(encoding="utf-8")
-    chunks = [text[i * 6000 : (i + 1) * 6000] for i in range(7)]
-    quoted = chunks[2][1000:1400]
-    train, held = chunks[:5], [chunks[5][:3000] + quoted + chunks[5][3000:], chunks[6]]
-    folder = tmp_path_factory.mktemp("corpus")
-    for side, docs in (("train", train), ("eval", held)):
-        lines = [json.dumps({"source": "test", "name": f"{side}{i}", "text": d}) for i, d in enumerate(docs)]
-        (folder / f"{side}.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
 
 
 def test_held_out_cuts_every_shared_window_and_keeps_the_rest():
@@ -55,6 +33,8 @@ def test_prepare_holds_the_evaluation_side_out_by_content(tokenizer, corpus, tmp
     train = data.load_tokens(tmp_path, "train").tolist()
     held = data.load_tokens(tmp_path, "eval").tolist()
     assert not data._windows(train) & data._windows(held)
+    stored = safetensors.torch.load_file(str(tmp_path / "train.safetensors"))["tokens"]
+    assert stored.dtype == torch.int16  # the bundled vocabulary fits: half the bytes to carry to a GPU
     assert (
         summary["train_tokens"] == len(train)
         and json.loads((tmp_path / "prepare.json").read_text()) == summary

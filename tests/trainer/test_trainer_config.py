@@ -152,6 +152,9 @@ def test_cli_train_errors(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--random_models", "--continuations", "target", "--sampled_continuations", "2"])
     assert "--sampled_continuations must be in [0, 1], got 2.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--random_models", "--continuations", "target", "--continuation_batch_size", "0"])
+    assert "--continuation_batch_size must be in [1, 4096], got 0" in capsys.readouterr().err
 
 
 def test_a_draft_prefill_window_is_deployed_with_the_drafter(tmp_path):
