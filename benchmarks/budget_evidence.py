@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft import BudgetedCache, query_capture
-from hf_budgetdraft.cache import POLICIES
+from hf_budgetdraft.cache import POLICIES, get_policy
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.tasks import NEEDLE, passkey_sample
@@ -74,7 +74,7 @@ def target_answer(target, prompt: torch.LongTensor, length: int) -> torch.LongTe
 
 @torch.inference_mode()
 def draft_agreement(
-    drafter, prompt, answer, budget: int | None, policy: str = "chunk"
+    drafter, prompt, answer, budget: int | None, policy: str = "chunk", policy_kwargs: dict | None = None
 ) -> tuple[list[bool], Cache]:
     """Per answer token, whether the drafter's argmax through its draft cache is the target's token; and the cache
     (a budgeted cache holds what its selection kept).
@@ -85,7 +85,9 @@ def draft_agreement(
     if budget is None:
         cache = DynamicCache(config=drafter.config)
     else:
-        cache = BudgetedCache(config=drafter.config, budget=budget, policy=policy)
+        cache = BudgetedCache(
+            config=drafter.config, budget=budget, policy=policy, policy_kwargs=policy_kwargs
+        )
     # the prefill's queries, for a policy that scores with them (snapkv), and each step's, for one that re-selects
     with query_capture(drafter):
         first = drafter(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # (V,)
@@ -271,6 +273,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--policy", default="chunk", choices=sorted(POLICIES), help="the budgeted caches' selection policy"
     )
+    parser.add_argument(
+        "--policy-kwargs",
+        type=json.loads,
+        default=None,
+        help="the policy's hyper-parameters as JSON, e.g. '{\"components\": 8}' for dynamic",
+    )
     parser.add_argument("--gamma", type=int, default=6, help="draft length of the tokens-a-round column")
     parser.add_argument("--prompts", type=int, default=40, help="prompts per task and context")
     parser.add_argument(
@@ -312,6 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     roles = budget_goals.parse_roles(args.roles) if args.roles else None
+    get_policy(args.policy, **(args.policy_kwargs or {}))  # a bad hyper-parameter fails now, not an hour in
     torch.set_num_threads(args.threads)
     started = time.time()
     demo = load_demo_models()
@@ -338,7 +347,13 @@ def main(argv=None) -> None:
             for index, probe in enumerate(prompts):
                 if index < args.speed_prompts:
                     timed = paired_speeds(
-                        demo.target, drafters, probe.input_ids, args.speed_tokens, caches, args.policy
+                        demo.target,
+                        drafters,
+                        probe.input_ids,
+                        args.speed_tokens,
+                        caches,
+                        args.policy,
+                        args.policy_kwargs,
                     )
                     for (name, budget), row in timed.items():
                         speeds.setdefault((task, context, name, budget), []).append(row)
@@ -347,7 +362,9 @@ def main(argv=None) -> None:
                     retrieved.setdefault((task, context), []).append(bool(torch.equal(answer, probe.key_ids)))
                 for name, drafter in drafters.items():
                     for budget in caches:
-                        hits, cache = draft_agreement(drafter, probe.input_ids, answer, budget, args.policy)
+                        hits, cache = draft_agreement(
+                            drafter, probe.input_ids, answer, budget, args.policy, args.policy_kwargs
+                        )
                         shares = needle_shares(cache, probe.needle) if probe.needle else None
                         rows.setdefault((task, context, name, budget), []).append(
                             {
@@ -403,7 +420,8 @@ def markdown(results: list[dict], args, command: str) -> str:
     head = (
         "# Draft acceptance on tokens that need long context, per KV budget\n\n"
         f"`{command}` — {args.prompts} prompts per task and "
-        f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}, policy `{args.policy}`. "
+        f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}, policy `{args.policy}`"
+        f"{f' {json.dumps(args.policy_kwargs)}' if args.policy_kwargs else ''}. "
         "`accepted` = answer tokens a round drafting the whole answer keeps, 95% bootstrap interval; `agreement` = "
         f"per answer token (Wilson 95%); `a round (γ={args.gamma})` = tokens a greedy round drafting {args.gamma} "
         "emits along the target's answer; `needle share` = mean share of the needle's positions (for `copy`: the "

@@ -22,7 +22,12 @@ from hf_budgetdraft.runs.timed_call import timed_generate
 
 
 def one_liner_kwargs(
-    drafter, budget: int | None, prompt_length: int, new_tokens: int, policy: str = "chunk"
+    drafter,
+    budget: int | None,
+    prompt_length: int,
+    new_tokens: int,
+    policy: str = "chunk",
+    policy_kwargs: dict | None = None,
 ) -> dict:
     """`generate()` arguments of the one-liner with its defaults at `budget` (`None`: every prompt token kept,
     and a recent window of at least `new_tokens`: the draft cache drops nothing in the call)."""
@@ -32,7 +37,7 @@ def one_liner_kwargs(
             "window_length": max(DraftSpec(cache="budgeted").window_length, new_tokens),
         }
     else:
-        config = {"budget": budget, "policy": policy}
+        config = {"budget": budget, "policy": policy, "policy_kwargs": policy_kwargs}
     return dict(assistant_model=drafter, cache_implementation="budgeted", cache_config=config)
 
 
@@ -48,6 +53,7 @@ def paired_speeds(
     new_tokens: int,
     budgets: list[int | None],
     policy: str = "chunk",
+    policy_kwargs: dict | None = None,
 ) -> dict[tuple[str, int | None], dict]:
     """Per `(drafter name, budget)`: `speedup` over AR, `decode_tokens_per_s`, `identical` (bool: the output is
     the reference's), `tokens_per_round` (accepted draft tokens a round + the target's own; `None` without
@@ -56,7 +62,7 @@ def paired_speeds(
     runs = {}
     for name, drafter in drafters.items():
         for budget in budgets:
-            kwargs = one_liner_kwargs(drafter, budget, prompt.shape[1], new_tokens, policy)
+            kwargs = one_liner_kwargs(drafter, budget, prompt.shape[1], new_tokens, policy, policy_kwargs)
             runs[(name, budget)] = timed_generate(target, prompt, new_tokens, **kwargs)
             ar_runs.append(timed_generate(target, prompt, new_tokens))
     speeds = {}

@@ -90,3 +90,36 @@ def test_each_one_liner_call_is_compared_with_the_ar_of_its_own_moment(monkeypat
     # call i runs at 1.5 * 100 * 2^(2i + 1), between AR calls at 100 * 2^(2i) and 100 * 2^(2i + 2)
     assert [round(row["speedup"], 6) for row in speeds.values()] == [round(1.5 * 2 / 2.5, 6)] * 4
     assert all(row["identical"] for row in speeds.values())
+
+
+def test_a_policy_with_hyper_parameters(tmp_path, monkeypatch):
+    """`--policy-kwargs` reaches the draft caches (and the one-liner's): dynamic on 4 of the drafter's 32 channels;
+    a hyper-parameter the policy refuses fails before any model loads."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
+    torch.manual_seed(0)
+    target = Glm4MoeForCausalLM(target_config(tokenizer, 2048, hidden=64, layers=2, heads=2)).eval()
+    target.save_pretrained(tmp_path / "target")
+    out = tmp_path / "evidence"
+    args = ["--target", str(tmp_path / "target"), "--only", "target", "--tasks", "copy", "--contexts", "512"]
+    args += ["--budgets", "64", "--prompts", "1", "--threads", "1", "--bootstrap-draws", "20", "--out", str(out)]
+    args += ["--policy", "dynamic", "--speed-prompts", "1", "--speed-tokens", "8"]
+    benchmark = load_benchmark()
+    from hf_budgetdraft.cache import selection
+
+    built = []
+
+    def spy(name, **kwargs):
+        built.append((name, kwargs))
+        return get_policy(name, **kwargs)
+
+    get_policy = selection.get_policy
+    monkeypatch.setattr(selection, "get_policy", spy)
+    benchmark.main([*args, "--policy-kwargs", '{"components": 4}'])
+    # every budgeted cache, the teacher-forced one and the one-liner's, was built with them
+    assert built and all(call == ("dynamic", {"components": 4}) for call in built if call[0] == "dynamic")
+    assert sum(call[0] == "dynamic" for call in built) >= 2
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert {r["cache"] for r in results} == {"full", "B=64"} and all(r["identical"] == 1.0 for r in results)
+    assert 'policy `dynamic` {"components": 4}' in out.with_suffix(".md").read_text()
+    with pytest.raises(ValueError, match="components must be an int >= 0"):
+        benchmark.main([*args, "--policy-kwargs", '{"components": -1}'])
