@@ -224,3 +224,16 @@ def test_far_documents_end_their_prefix_where_the_far_dependency_starts(tokenize
     ):
         with pytest.raises(SystemExit):
             far_documents.parse(["--out", str(out), *bad])
+
+
+def test_a_time_budget_paces_the_drafters_schedule():
+    """`train_drafts.py --minutes`: the learning-rate schedule stands at the further of the steps done and the share
+    of the time spent, so a run the time ends still finishes its cosine."""
+    import argparse
+
+    import train_drafts
+
+    paced = argparse.Namespace(steps=1000, minutes=2.0)
+    assert train_drafts.scheduled_step(10, 60.0, paced) == 500  # half the time spent, few steps done
+    assert train_drafts.scheduled_step(600, 60.0, paced) == 600  # the steps ran ahead of the clock
+    assert train_drafts.scheduled_step(10, 60.0, argparse.Namespace(steps=1000, minutes=0.0)) == 10
