@@ -99,88 +99,72 @@ class Run:
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
 
+def flags(values: dict) -> list[str]:
+    """`{"--name": value}` as command-line words; a list value gives several words after its flag."""
+    words = []
+    for name, value in values.items():
+        words += [name, *map(str, value)] if isinstance(value, list) else [name, str(value)]
+    return words
+
+
+def script(name: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / name)]
+
+
 def target_command(args, work: Path) -> list[str]:
-    command = [sys.executable, str(SCRIPTS / "train_far_target.py"), "train", "--data", str(args.data)]
-    command += [
-        "--out",
-        str(work / "target"),
-        "--minutes",
-        str(args.target_minutes),
-        "--seed",
-        str(args.seed),
-    ]
-    return command + (["--cpu-smoke"] if args.cpu_smoke else [])
+    values = {
+        "--data": args.data,
+        "--out": work / "target",
+        "--minutes": args.target_minutes,
+        "--seed": args.seed,
+    }
+    return [*script("train_far_target.py"), "train", *flags(values)] + (
+        ["--cpu-smoke"] if args.cpu_smoke else []
+    )
 
 
 def documents_command(args, work: Path) -> list[str]:
-    command = [sys.executable, str(SCRIPTS / "far_documents.py"), "--data", str(args.data)]
-    command += ["--out", str(work / "documents.jsonl"), "--documents", str(args.documents), "--mix", "1/2/1"]
-    command += [
-        "--prefix-length",
-        str(args.prefix_length),
-        "--continuation-length",
-        str(args.continuation_length),
-    ]
-    return command + ["--seed", str(args.seed)]
+    values = {"--data": args.data, "--out": work / "documents.jsonl", "--documents": args.documents}
+    values |= {"--prefix-length": args.prefix_length, "--continuation-length": args.continuation_length}
+    return [*script("far_documents.py"), *flags(values | {"--mix": "1/2/1", "--seed": args.seed})]
 
 
 def drafter_command(args, work: Path) -> list[str]:
-    command = [sys.executable, str(SCRIPTS / "train_drafts.py"), "--target", str(work / "target" / "model")]
-    command += ["--out", str(work / "drafts"), "--far-data", str(args.data), "--far-mix", "4/4/2/1"]
-    command += [
-        "--induction-minutes",
-        str(args.drafter_induction_minutes),
-        "--minutes",
-        str(args.drafter_minutes),
-    ]
-    command += ["--steps", str(args.drafter_steps), "--length", str(args.drafter_length)]
-    command += ["--batch", str(args.drafter_batch), "--seed", str(args.seed + 1)]
-    command += [
-        "--max-position",
-        str(max(args.drafter_length, args.prefix_length + args.continuation_length)),
-    ]
-    return command + (["--induction-rows", "4", "--warmup", "1", "--threads", "2"] if args.cpu_smoke else [])
+    values = {"--target": work / "target" / "model", "--out": work / "drafts", "--far-data": args.data}
+    values |= {"--far-mix": "4/4/2/1", "--induction-minutes": args.drafter_induction_minutes}
+    values |= {
+        "--minutes": args.drafter_minutes,
+        "--steps": args.drafter_steps,
+        "--length": args.drafter_length,
+    }
+    values |= {"--batch": args.drafter_batch, "--seed": args.seed + 1}
+    values["--max-position"] = max(args.drafter_length, args.prefix_length + args.continuation_length)
+    if args.cpu_smoke:
+        values |= {"--induction-rows": 4, "--warmup": 1, "--threads": 2}
+    return [*script("train_drafts.py"), *flags(values)]
 
 
 def finetune_command(args, work: Path, name: str, sparse_loss_weight: float) -> list[str]:
     """`hf-budgetdraft train` of the base drafter against the target on the far documents."""
-    command = [
-        sys.executable,
-        "-m",
-        "hf_budgetdraft.cli",
-        "train",
-        "--drafter",
-        str(work / "drafts" / "drafter"),
-    ]
-    command += ["--teacher_model_name_or_path", str(work / "target" / "model")]
-    command += ["--data_files", str(work / "documents.jsonl"), "--pack_across_documents", "False"]
-    command += [
-        "--prefix_length",
-        str(args.prefix_length),
-        "--continuation_length",
-        str(args.continuation_length),
-    ]
-    command += ["--continuations", "target", "--continuation_batch_size", str(args.continuation_batch_size)]
-    command += ["--precompute_teacher", "--teacher_cache_dir", str(work / "teacher_cache")]
-    command += ["--budgets", *map(str, args.budgets), "--budget_weights", *map(str, args.budget_weights)]
-    command += ["--window_length", str(args.window_length), "--sparse_loss_weight", str(sparse_loss_weight)]
-    command += [
-        "--learning_rate",
-        str(args.finetune_lr),
-        "--warmup_steps",
-        str(min(30, args.finetune_steps // 10)),
-    ]
-    command += [
-        "--max_steps",
-        str(args.finetune_steps),
-        "--per_device_train_batch_size",
-        str(args.finetune_batch),
-    ]
-    command += ["--logging_steps", str(max(1, args.finetune_steps // 40)), "--report_to", "none"]
-    command += ["--save_strategy", "no", "--seed", str(args.seed), "--output_dir", str(work / name)]
+    values = {
+        "--drafter": work / "drafts" / "drafter",
+        "--teacher_model_name_or_path": work / "target" / "model",
+    }
+    values |= {"--data_files": work / "documents.jsonl", "--pack_across_documents": False}
+    values |= {"--prefix_length": args.prefix_length, "--continuation_length": args.continuation_length}
+    values |= {"--continuations": "target", "--continuation_batch_size": args.continuation_batch_size}
+    values |= {"--teacher_cache_dir": work / "teacher_cache", "--budgets": args.budgets}
+    values |= {"--budget_weights": args.budget_weights, "--window_length": args.window_length}
+    values |= {"--sparse_loss_weight": sparse_loss_weight, "--learning_rate": args.finetune_lr}
+    values |= {"--warmup_steps": min(30, args.finetune_steps // 10), "--max_steps": args.finetune_steps}
+    values |= {"--per_device_train_batch_size": args.finetune_batch, "--report_to": "none"}
+    values |= {"--logging_steps": max(1, args.finetune_steps // 40), "--save_strategy": "no"}
+    values |= {"--seed": args.seed, "--output_dir": work / name}
     if args.cpu_smoke:
-        return command + ["--teacher_dtype", "float32", "--threads", "2"]
-    return command + ["--teacher_dtype", "bfloat16", "--bf16", "True"]
+        values |= {"--teacher_dtype": "float32", "--threads": 2}
+    else:
+        values |= {"--teacher_dtype": "bfloat16", "--bf16": True}
+    return [sys.executable, "-m", "hf_budgetdraft.cli", "train", "--precompute_teacher", *flags(values)]
 
 
 def run(args) -> dict:

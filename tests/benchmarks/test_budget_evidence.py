@@ -25,12 +25,18 @@ def load_benchmark():
     return module
 
 
-@pytest.mark.parametrize("policy", ["chunk", "snapkv"])  # snapkv scores with the prefill's queries
-def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
+def save_tiny_target(folder):
+    """A random 2-layer far-target-shaped model (GLM-4, the demo tokenizer, 32-channel heads) saved to `folder`."""
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
     torch.manual_seed(0)
-    target = Glm4MoeForCausalLM(target_config(tokenizer, 2048, hidden=64, layers=2, heads=2)).eval()
-    target.save_pretrained(tmp_path / "target")
+    Glm4MoeForCausalLM(target_config(tokenizer, 2048, hidden=64, layers=2, heads=2)).eval().save_pretrained(
+        folder
+    )
+
+
+@pytest.mark.parametrize("policy", ["chunk", "snapkv"])  # snapkv scores with the prefill's queries
+def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
+    save_tiny_target(tmp_path / "target")
     out = tmp_path / "evidence"
     args = ["--target", str(tmp_path / "target"), "--only", "target", "base", "--tasks", "copy", "retrieval"]
     args += ["--contexts", "512", "--budgets", "64", "--prompts", "2", "--threads", "1", "--out", str(out)]
@@ -95,13 +101,21 @@ def test_each_one_liner_call_is_compared_with_the_ar_of_its_own_moment(monkeypat
 def test_a_policy_with_hyper_parameters(tmp_path, monkeypatch):
     """`--policy-kwargs` reaches the draft caches (and the one-liner's): dynamic on 4 of the drafter's 32 channels;
     a hyper-parameter the policy refuses fails before any model loads."""
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
-    torch.manual_seed(0)
-    target = Glm4MoeForCausalLM(target_config(tokenizer, 2048, hidden=64, layers=2, heads=2)).eval()
-    target.save_pretrained(tmp_path / "target")
+    save_tiny_target(tmp_path / "target")
     out = tmp_path / "evidence"
     args = ["--target", str(tmp_path / "target"), "--only", "target", "--tasks", "copy", "--contexts", "512"]
-    args += ["--budgets", "64", "--prompts", "1", "--threads", "1", "--bootstrap-draws", "20", "--out", str(out)]
+    args += [
+        "--budgets",
+        "64",
+        "--prompts",
+        "1",
+        "--threads",
+        "1",
+        "--bootstrap-draws",
+        "20",
+        "--out",
+        str(out),
+    ]
     args += ["--policy", "dynamic", "--speed-prompts", "1", "--speed-tokens", "8"]
     benchmark = load_benchmark()
     from hf_budgetdraft.cache import selection
