@@ -27,10 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BUDGET, SIZE = 20, 4
 
 
-def naive_reselect(keys, query, budget, size, components, score="max"):
-    """Loop-by-loop: per KV head, the chunks whose largest `q·k` (over the chunk's keys, or `q·k̄` with `k̄` its mean
-    key, and the query heads sharing the head, on the `components` channels where the group's |q| sums largest, all
-    of them when 3 · components >= D) is largest; chunk 0 and the trailing partial chunk always."""
+def naive_reselect(keys, query, budget, size, components):
+    """Loop-by-loop: per KV head, the chunks whose largest `q·k` (over the chunk's keys and the query heads sharing
+    the head, on the `components` channels where the group's |q| sums largest, all of them when 3 · components >= D)
+    is largest; chunk 0 and the trailing partial chunk always."""
     _, heads, length, dim = keys.shape
     group = query.shape[1] // heads
     num_chunks, tail = length // size, length % size
@@ -46,11 +46,6 @@ def naive_reselect(keys, query, budget, size, components, score="max"):
                 for g in range(group)
                 for p in range(c * size, (c + 1) * size)
             )
-            if score == "max"
-            else max(
-                float(q[g, channels] @ keys[0, h, c * size : (c + 1) * size][:, channels].mean(0))
-                for g in range(group)
-            )
             for c in range(num_chunks)
         ]
         others = sorted(range(1, num_chunks), key=lambda c: -scores[c])[: (budget - tail) // size - 1]
@@ -61,19 +56,18 @@ def naive_reselect(keys, query, budget, size, components, score="max"):
     return result
 
 
-@pytest.mark.parametrize("score", ["max", "mean"])
 @pytest.mark.parametrize("components", [0, 3, 6])  # exact, 3 of 16 channels, exact (3 · 6 >= 16)
 @pytest.mark.parametrize("length", [61, 64])
-def test_reselect_matches_a_naive_loop(components, length, score):
+def test_reselect_matches_a_naive_loop(components, length):
     generator = torch.Generator().manual_seed(length + components)
     keys = torch.randn(1, 2, length, 16, generator=generator)
     query = torch.randn(1, 4, 16, generator=generator)  # 4 query heads over 2 KV heads
     values = torch.randn(1, 2, length, 16, generator=generator)
-    policy = DynamicChunkPolicy(chunk_size=SIZE, components=components, score=score)
+    policy = DynamicChunkPolicy(chunk_size=SIZE, components=components)
     index = policy.index(keys, values)
     chunks, kept_keys, kept_values = policy.reselect(index, query, BUDGET)
     positions = policy.positions(chunks, index)
-    assert positions.tolist()[0] == naive_reselect(keys, query, BUDGET, SIZE, components, score)
+    assert positions.tolist()[0] == naive_reselect(keys, query, BUDGET, SIZE, components)
     assert positions.shape[-1] == policy.select(keys, BUDGET).shape[-1]  # as many as the prefill kept
     index = positions[..., None].expand(-1, -1, -1, 16)
     assert torch.equal(kept_keys, keys.gather(2, index)) and torch.equal(kept_values, values.gather(2, index))
@@ -147,13 +141,12 @@ def test_each_step_attends_to_the_chunks_its_own_query_selects(static):
         torch.testing.assert_close(logits[k], expected)
 
 
-@pytest.mark.parametrize("score, scored_positions", [("max", 88), ("mean", 22)])  # 88 / SIZE chunk means
-def test_the_prompt_kept_to_select_from_is_counted(score, scored_positions):
+def test_the_prompt_kept_to_select_from_is_counted():
     _, drafter = model_pair("llama", "sdpa")
     prompt = random_prompt(90)
     caches = {
-        p: BudgetedCache(drafter.config, budget=BUDGET, policy=p, window_length=8, policy_kwargs=kwargs)
-        for p, kwargs in (("chunk", None), ("dynamic", {"chunk_size": SIZE, "score": score}))
+        p: BudgetedCache(drafter.config, budget=BUDGET, policy=p, window_length=8)
+        for p in ("chunk", "dynamic")
     }
     with torch.no_grad(), query_capture(drafter):
         for cache in caches.values():
@@ -161,10 +154,9 @@ def test_the_prompt_kept_to_select_from_is_counted(score, scored_positions):
     layer = caches["dynamic"].layers[0]
     prompt_bytes = sum(t.numel() * t.element_size() for t in layer.prompt)
     per_position = layer.keys[:, :, :1].numel() * layer.keys.element_size()
-    # keys and values by chunk, plus what a step scores channel-major: the keys of the 88 positions in whole chunks,
-    # or one mean key a chunk
+    # keys and values by chunk, plus the keys of the 88 positions in whole chunks channel-major
     kv_bytes = sum(t.numel() * t.element_size() for t in layer.prompt if t.is_floating_point())
-    assert kv_bytes == (2 * 90 + scored_positions) * per_position
+    assert kv_bytes == (2 * 90 + 88) * per_position
     layers = len(caches["dynamic"].layers)
     assert caches["dynamic"].nbytes() == caches["chunk"].nbytes() + prompt_bytes * layers
 
@@ -183,8 +175,7 @@ def test_every_single_sequence_path_stays_lossless(run):
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
 
 
-@pytest.mark.parametrize("score", ["max", "mean"])
-def test_a_static_step_reselects_inside_its_compiled_graph(score):
+def test_a_static_step_reselects_inside_its_compiled_graph():
     """On a static cache the step re-selects inside the attention function, with fixed shapes: the one-token step
     compiles into one graph (`fullgraph=True`) reused over the whole call, and the output is still the target's."""
     from test_static_cache import graph_counter
@@ -196,7 +187,6 @@ def test_a_static_step_reselects_inside_its_compiled_graph(score):
     torch._dynamo.reset()
     try:
         config = {"budget": 48, "policy": "dynamic", "static": True, "draft_length": 3}
-        config["policy_kwargs"] = {"score": score}
         out, stats = speculate(target, drafter, ids, "budgeted", cache_config=config)
     finally:
         torch._dynamo.reset()
@@ -231,5 +221,3 @@ def test_where_the_dynamic_policy_cannot_run():
         BudgetDraftConfig(output_dir="unused", policy="dynamic")
     with pytest.raises(ValueError, match="components must be"):
         DynamicChunkPolicy(components=-1)
-    with pytest.raises(ValueError, match="score must be 'max' or 'mean'"):
-        DynamicChunkPolicy(score="sum")

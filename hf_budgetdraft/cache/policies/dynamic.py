@@ -7,15 +7,13 @@ approximation (Ribar et al., arXiv 2312.04985): `q·k` over the `components` cha
 the query heads sharing a KV head) is largest, so a step reads `components / D` of the prompt's keys to score it.
 Copying those channels out and multiplying over them passes over `components` rows three times: where that is not
 less than the `D` rows of an exact score (`3 · components >= D`), the score is exact.
-A chunk scores the largest approximate `q·k` among its keys and query heads (`score="max"`), or the largest `q·k̄`
-with `k̄` its mean key among the query heads (`score="mean"`: the prefill's chunk score, TriForce's and BudgetDraft's,
-scored against one key a chunk, so a step reads `1 / chunk_size` of the prompt's keys); chunk 0 (the sink) and the
-trailing partial chunk are always kept, as in `ChunkPolicy`, so every step keeps as many positions as the prefill did.
+A chunk scores the largest approximate `q·k` among its keys and query heads; chunk 0 (the sink) and the trailing
+partial chunk are always kept, as in `ChunkPolicy`, so every step keeps as many positions as the prefill did.
 
 The prefill's own selection is `ChunkPolicy`'s (the last key as the proxy). The cache layer keeps a `PromptIndex`
-besides its static slots: what a step scores, channel-major (a score reads whole channels: the prompt's keys, or
-its chunks' mean keys), and its keys and values in chunks (a selection copies whole chunks). The draft's attention
-reads the budget; its memory holds the prompt (its keys twice with `score="max"`).
+besides its static slots: the prompt's keys channel-major (a score reads whole channels) and its keys and values in
+chunks (a selection copies whole chunks). The draft's attention reads the budget; its memory holds the prompt, its
+keys twice.
 """
 
 from __future__ import annotations
@@ -30,11 +28,11 @@ from .keep_policy import KeepPolicy, group_queries
 
 
 class PromptIndex(NamedTuple):
-    """What a step selects from: what it scores, channel-major (`scoring`: the prompt's keys `(B, H, D, C * size)`,
-    or its chunks' mean keys `(B, H, D, C)`), its keys and values in chunks `(B, H, C, size, D)`, its trailing partial chunk's keys and values `(B, H, tail, D)`, and the batch and
+    """What a step selects from: the prompt's keys channel-major `(B, H, D, C * size)`, its keys and values in
+    chunks `(B, H, C, size, D)`, its trailing partial chunk's keys and values `(B, H, tail, D)`, and the batch and
     head indices `(B, 1, 1)`, `(1, H, 1)` that pick a chunk or channel per row and head."""
 
-    scoring: torch.Tensor
+    channels: torch.Tensor
     key_chunks: torch.Tensor
     value_chunks: torch.Tensor
     tail_keys: torch.Tensor
@@ -53,13 +51,6 @@ class DynamicChunkPolicy(KeepPolicy):
         },
     )
 
-    score: str = field(
-        default="max",
-        metadata={
-            "help": "A chunk's score: 'max' (its largest q·k) or 'mean' (q · its mean key, read per chunk)."
-        },
-    )
-
     name = "dynamic"
     refreshes = True
 
@@ -68,8 +59,6 @@ class DynamicChunkPolicy(KeepPolicy):
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if not isinstance(self.components, int) or self.components < 0:
             raise ValueError(f"components must be an int >= 0 (0: every channel), got {self.components!r}")
-        if self.score not in ("max", "mean"):
-            raise ValueError(f"score must be 'max' or 'mean', got {self.score!r}")
         self.prefill_policy = ChunkPolicy(chunk_size=self.chunk_size)
 
     def min_budget(self) -> int:
@@ -83,13 +72,9 @@ class DynamicChunkPolicy(KeepPolicy):
         batch, heads, length, dim = keys.shape
         whole = length - length % self.chunk_size
         chunked = (batch, heads, whole // self.chunk_size, self.chunk_size, dim)
-        key_chunks = keys[:, :, :whole].reshape(chunked)
-        scored = (
-            key_chunks.mean(dim=3) if self.score == "mean" else keys[:, :, :whole]
-        )  # (B, H, C or C * size, D)
         return PromptIndex(
-            scoring=scored.transpose(-1, -2).contiguous(),
-            key_chunks=key_chunks,
+            channels=keys[:, :, :whole].transpose(-1, -2).contiguous(),
+            key_chunks=keys[:, :, :whole].reshape(chunked),
             value_chunks=values[:, :, :whole].reshape(chunked),
             tail_keys=keys[:, :, whole:].contiguous(),
             tail_values=values[:, :, whole:].contiguous(),
@@ -106,13 +91,13 @@ class DynamicChunkPolicy(KeepPolicy):
         batch, heads, num_chunks, size, dim = index.key_chunks.shape
         rows, cols = index.rows, index.heads
         grouped = group_queries(query[:, :, None], heads)[:, :, :, 0]  # (B, H, G, D)
-        keys = index.scoring  # (B, H, D, C * size), or (B, H, D, C) scoring by mean keys
+        keys = index.channels  # (B, H, D, C * size)
         if self.components > 0 and 3 * self.components < dim:
             channels = grouped.abs().sum(2).topk(self.components, dim=-1).indices  # (B, H, r)
             grouped = grouped.gather(-1, channels[:, :, None].expand(-1, -1, grouped.shape[2], -1))
             keys = keys[rows, cols, channels]  # (B, H, r, C * size): whole channels
-        scores = (grouped.to(keys.dtype) @ keys).float()  # (B, H, G, C * size) or (B, H, G, C)
-        scores = scores.view(batch, heads, scores.shape[2], num_chunks, -1).amax(dim=(2, 4))  # (B, H, C)
+        scores = (grouped.to(keys.dtype) @ keys).float()  # (B, H, G, C * size)
+        scores = scores.view(batch, heads, -1, num_chunks, size).amax(dim=(2, 4))  # (B, H, C)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
         tail = index.tail_keys.shape[-2]
         chosen = scores.topk((budget - tail) // size, dim=-1).indices.sort(dim=-1).values  # (B, H, k)
