@@ -60,6 +60,7 @@ from hf_budgetdraft.runs.intervals import wilson_interval
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_goals  # noqa: E402
 from one_liner_speed import paired_speeds, summarise_speeds  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PASSAGE, LEAD = 128, 64  # a copy probe's passage, and the filler before its first sight
@@ -392,6 +393,7 @@ def main(argv=None) -> None:
     command = "python benchmarks/budget_evidence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {
         "command": command,
+        "commit": git_commit(),
         "torch": torch.__version__,
         "threads": args.threads,
         "seconds": round(time.time() - started),

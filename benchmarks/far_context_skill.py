@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,9 @@ from hf_budgetdraft.eval.far_context import (
 from hf_budgetdraft.eval.metrics import bootstrap_ci
 from hf_budgetdraft.quiet import quiet_transformers
 from hf_budgetdraft.runs.intervals import wilson_interval
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import git_commit  # noqa: E402
 
 COPY_GOAL, RETRIEVAL_GOAL, GOAL_DISTANCE = 0.90, 0.50, 8192
 
@@ -141,13 +143,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _commit() -> str | None:
-    done = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    )
-    return done.stdout.strip() or None
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -165,7 +160,7 @@ def main(argv=None) -> dict:
     for result in results.values():
         result["goals"] = goals(result, results["bundled"]["perplexity"])
     command = "python benchmarks/far_context_skill.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {"command": command, "commit": _commit(), "torch": torch.__version__, "threads": args.threads}
+    meta = {"command": command, "commit": git_commit(), "torch": torch.__version__, "threads": args.threads}
     meta["seconds"] = round(time.time() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "models": results}, indent=1))

@@ -4,6 +4,7 @@ one-liner's timed calls reproduce plain AR's output."""
 
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -45,6 +46,7 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
     load_benchmark().main(args)
     report = json.loads(out.with_suffix(".json").read_text())
     results = report["results"]
+    assert re.fullmatch(r"[0-9a-f]{40}", report["meta"]["commit"])  # the tree the figures came from
     assert [(g["task"], g["budget"]) for g in report["goals"]] == [("copy", 64), ("retrieval", 64)]
     for row in results:  # the goals' paired intervals read each cell's prompts in the same order
         assert len(row["per_prompt_tokens_per_round"]) == 2
