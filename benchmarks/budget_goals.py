@@ -88,9 +88,9 @@ def goals(results: list[dict], roles: dict[str, str], draws: int = 2000, budgets
         )
     records = []
     for task, context in sorted({(t, c) for (t, c, _, _) in table}):
+        cells = {key[2:]: values for key, values in table.items() if key[:2] == (task, context)}
         for budget in budgets:
-            if (task, context, roles["base"], f"B={budget}") in table:
-                cells = {key[2:]: values for key, values in table.items() if key[:2] == (task, context)}
+            if (roles["base"], f"B={budget}") in cells:
                 records.append(_record(cells, roles, draws, task, context, budget))
     return records
 

@@ -89,9 +89,14 @@ class Run:
                 except subprocess.TimeoutExpired:
                     record["status"] = f"timed out after {limit:.0f} s"
         record["seconds"] = round(time.monotonic() - began, 1)
+        return self.finish(name, record)
+
+    def finish(self, name: str, record: dict) -> bool:
+        """Record how stage `name` ended (`record["status"]`, "ok" or why not) in the summary; whether it is ok."""
         self.summary["stages"][name] = record
         self.write_summary()
-        print(f"{name}: {record['status']} in {record['seconds']} s", flush=True)
+        took = f" in {record['seconds']} s" if "seconds" in record else ""
+        print(f"{name}: {record['status']}{took}", flush=True)
         return record["status"] == "ok"
 
     def write_summary(self) -> None:
@@ -201,9 +206,7 @@ def _documents_written(state: Run, documents: subprocess.Popen) -> bool:
     except subprocess.TimeoutExpired:
         documents.kill()
         status = "timed out: the run's time was spent"
-    state.summary["stages"]["documents"] = {"status": status}
-    state.write_summary()
-    return status == "ok"
+    return state.finish("documents", {"status": status})
 
 
 def _bfloat16_target(work: Path) -> Path | None:
