@@ -249,7 +249,7 @@ class BudgetDraftConfig(TrainingArguments):
             for budget in self.budgets:
                 policy.validate_budget(budget)
         self.draft_spec(self.budgets[0])  # a prefill window the deployed spec refuses is refused here
-        self.view_spec()  # a policy no training view can select with (dynamic) is refused here
+        self.view_spec()  # a view the spec refuses is refused here
 
     def _check_loss(self) -> None:
         if self.loss not in LOSSES:

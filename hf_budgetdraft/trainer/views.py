@@ -33,6 +33,7 @@ from ..attention.query_capture import cancel_request, query_capture, request_que
 from ..cache import BudgetedCache, DraftLayer, KeepPolicy, SinkWindowCache, SparseDraftCache, get_policy
 from ..cache.windowed_prefill import windowed_prefill
 from ..compat import cache_kwargs
+from .per_query_view import PerQueryView
 
 VIEW_KINDS = ("budgeted", "sink_window")
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -157,7 +158,8 @@ class SparseViewSpec:
     Args:
         kind (`str`): `"budgeted"` (`BudgetedCache`: a budget of policy-selected prefix tokens + a recent window)
             or `"sink_window"` (`SinkWindowCache`: `num_sink_tokens` + a window of `budget - num_sink_tokens`).
-        policy (`str` or `KeepPolicy`): the budgeted cache's selection policy (`"chunk"`, `"streaming"`, `"snapkv"`).
+        policy (`str` or `KeepPolicy`): the budgeted cache's selection policy (`"chunk"`, `"streaming"`, `"snapkv"`,
+            `"dynamic"`: a `PerQueryView`).
         policy_kwargs (`dict`, *optional*): the named policy's hyper-parameters.
         window_length (`int`): the budgeted cache's recent window (match the deployed `cache_config`).
         num_sink_tokens (`int`): the sink of a `"sink_window"` view.
@@ -176,12 +178,6 @@ class SparseViewSpec:
             raise ValueError(f"view kind must be one of {VIEW_KINDS}, got {self.kind!r}")
         self.policy = get_policy(self.policy, **(self.policy_kwargs or {}))
         self.policy_kwargs = None  # folded into the policy instance
-        if self.kind == "budgeted" and self.policy.refreshes:
-            raise ValueError(
-                f"policy={self.policy.name!r} selects again at every draft step with that step's query; a training "
-                "view selects once, after the prefix. Train with policy='chunk' (its prefill selection) and draft with "
-                f"{self.policy.name!r}"
-            )
 
     @property
     def query_window(self) -> int:
@@ -203,10 +199,18 @@ class SparseViewSpec:
             slack=self.slack,
         )
 
-    def build(self, config: PreTrainedConfig, prefix: SharedPrefix, budget: int) -> SparseDraftCache:
+    def build(
+        self, config: PreTrainedConfig, prefix: SharedPrefix, budget: int
+    ) -> SparseDraftCache | PerQueryView:
         """A cache of this kind at `budget`, holding exactly what the deployed cache holds after prefilling the
-        prefix: each layer's own `update` runs on the shared prefix keys (and the policy on its queries)."""
+        prefix: each layer's own `update` runs on the shared prefix keys (and the policy on its queries). A policy
+        that selects at every step (dynamic) gets a `PerQueryView` instead: each query reads its own selection."""
         cache = self.make_cache(config, budget)
+        if self.kind == "budgeted" and self.policy.refreshes:
+            sparse = frozenset(idx for idx, layer in enumerate(cache.layers) if isinstance(layer, DraftLayer))
+            return PerQueryView(
+                full_cache(config, prefix), self.policy, budget, self.window_length, prefix.length, sparse
+            )
         needs_queries = self.query_window > 0
         for idx, layer in enumerate(cache.layers):
             layer.update(prefix.keys[idx], prefix.values[idx])
@@ -288,11 +292,16 @@ def windowed_block_mask(
     return mask
 
 
-def view_logits(model: torch.nn.Module, continuation_ids: torch.LongTensor, cache: Cache) -> torch.Tensor:
+def view_logits(
+    model: torch.nn.Module, continuation_ids: torch.LongTensor, cache: Cache | PerQueryView
+) -> torch.Tensor:
     """Drafter logits `(B, C, V)` at the continuation positions, read through a prefilled `cache` in one block.
 
     With gradient enabled, gradients reach the drafter through the continuation's own queries, keys and values.
     """
+    if isinstance(cache, PerQueryView):
+        with cache.reading(unwrap_transformers_model(model)):
+            return model(input_ids=continuation_ids, **cache_kwargs(cache.cache), use_cache=True).logits
     mask = None
     if isinstance(cache, SparseDraftCache):
         mask = windowed_block_mask(model, cache, *continuation_ids.shape)

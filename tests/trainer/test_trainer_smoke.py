@@ -109,6 +109,25 @@ def test_lora_training_improves_every_budget_and_saved_drafter_reloads(tmp_path)
     assert _greedy_identical(target, adapted, cache_config)
 
 
+def test_dynamic_policy_trains_on_per_query_views_and_deploys(tmp_path):
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    rows = _rows(16)
+    args = _args(tmp_path, policy="dynamic", use_lora=True, lora_r=8, max_steps=20)
+    trainer = BudgetDraftTrainer(
+        model=drafter, teacher=target, args=args, train_dataset=rows, eval_dataset=rows
+    )
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    for budget in args.budgets:
+        key = f"eval_agreement/budget_{budget}"
+        assert after[key] > before[key] + 0.1, (key, before[key], after[key])
+    merged = AutoModelForCausalLM.from_pretrained(trainer.save_drafter()["model"]).eval()
+    cache_config = args.cache_config(32)
+    assert cache_config["policy"] == "dynamic"
+    assert _greedy_identical(target, merged, {**cache_config, "slack": 8})
+
+
 def test_precomputed_soft_targets_sink_window_views_resume_exactly(tmp_path):
     target, drafter = model_pair("llama", "sdpa", draft_layers=1)
     rows = precompute_teacher_targets(_rows(8, seed=1), target, PREFIX, CONTINUATION, top_k=8, batch_size=4)

@@ -22,6 +22,8 @@ VIEWS = [  # (kind, policy, policy_kwargs, window_length, budgets)
     ("budgeted", "chunk", {"chunk_size": 4, "query_proxy": "last_query"}, 16, [12, 24, 48]),
     ("budgeted", "chunk", {"chunk_size": 4}, 5, [12, 24, 48]),  # window < continuation: windowed block mask
     ("sink_window", "chunk", None, None, [8, 24, 48]),  # 4 sink + window of budget - 4: the window slides
+    ("budgeted", "dynamic", {"chunk_size": 4}, 16, [12, 24, 48]),  # each query its own chunks: a per-query view
+    ("budgeted", "dynamic", {"chunk_size": 4, "components": 2}, 5, [12, 24]),  # approximate scores, window 5
 ]
 
 
@@ -35,11 +37,11 @@ def _step_by_step(drafter, spec, budget, prefix, continuation):
     """What the deployed drafter computes: prefill the prompt into the cache, then one token per forward."""
     cache = spec.make_cache(drafter.config, budget)
     with torch.no_grad():
-        with query_capture(drafter):
+        with query_capture(drafter):  # a query-scored prefill, or a dynamic policy's every step
             drafter(prefix, cache=cache)
-        steps = [
-            drafter(continuation[:, t : t + 1], cache=cache).logits for t in range(continuation.shape[1])
-        ]
+            steps = [
+                drafter(continuation[:, t : t + 1], cache=cache).logits for t in range(continuation.shape[1])
+            ]
     return torch.cat(steps, dim=1)  # (B, C, V)
 
 
@@ -48,7 +50,7 @@ def _case_id(case):
     return f"{kind}-{policy}-{'-'.join(f'{v}' for v in (kwargs or {}).values())}-w{window}"
 
 
-CASES = [(case, "sdpa") for case in VIEWS] + [(VIEWS[0], "eager"), (VIEWS[-1], "eager")]
+CASES = [(case, "sdpa") for case in VIEWS] + [(VIEWS[0], "eager"), (VIEWS[5], "eager"), (VIEWS[6], "eager")]
 
 
 @pytest.mark.parametrize("case,attn", CASES, ids=[f"{_case_id(c)}-{a}" for c, a in CASES])
@@ -100,9 +102,33 @@ def test_view_equals_inference_cache_hybrid_sliding_model(policy, kwargs):
         view_logits(drafter, continuation, narrow.build(drafter.config, shared, 24))
 
 
-def test_batched_rows_select_per_row():
+@pytest.mark.parametrize("window", [16, 4])
+def test_per_query_view_on_a_hybrid_sliding_model(window):
+    # the per-query view masks in the attention function: the sliding layers keep the model's own mask, so even a
+    # window sliding during the continuation is exact
+    _, drafter = model_pair("gemma2", "eager")
+    spec = _spec("budgeted", "dynamic", {"chunk_size": 4}, window)
+    ids = random_prompt(PREFIX + CONTINUATION, seed=3)
+    prefix, continuation = ids[:, :PREFIX], ids[:, PREFIX:]
+    shared = run_shared_prefix(drafter, prefix)
+    with torch.no_grad():
+        got = view_logits(drafter, continuation, spec.build(drafter.config, shared, 24))
+    torch.testing.assert_close(got, _step_by_step(drafter, spec, 24, prefix, continuation), **TOLERANCE)
+
+
+def test_per_query_view_needs_an_attention_function_it_can_mask():
+    _, drafter = model_pair("llama", "budgetdraft_sdpa")
+    spec = _spec("budgeted", "dynamic", {"chunk_size": 4}, 16)
+    ids = random_prompt(PREFIX + CONTINUATION, seed=3)
+    view = spec.build(drafter.config, run_shared_prefix(drafter, ids[:, :PREFIX]), 24)
+    with pytest.raises(ValueError, match="attn_implementation='sdpa' or 'eager'"):
+        view_logits(drafter, ids[:, PREFIX:], view)
+
+
+@pytest.mark.parametrize("policy", ["chunk", "dynamic"])
+def test_batched_rows_select_per_row(policy):
     _, drafter = model_pair("llama", "sdpa")
-    spec = _spec("budgeted", "chunk", {"chunk_size": 4}, 16)
+    spec = _spec("budgeted", policy, {"chunk_size": 4}, 16)
     ids = torch.cat([random_prompt(PREFIX + CONTINUATION, seed=s) for s in (4, 5)])  # (2, P + C)
     shared = run_shared_prefix(drafter, ids[:, :PREFIX])
     with torch.no_grad():
@@ -112,10 +138,11 @@ def test_batched_rows_select_per_row():
         torch.testing.assert_close(batched[row : row + 1], expected, **TOLERANCE)
 
 
-def test_gradients_flow_through_the_continuation_only_and_prefix_is_not_mutated():
+@pytest.mark.parametrize("policy,kwargs", [("snapkv", {"window_size": 4}), ("dynamic", {"chunk_size": 4})])
+def test_gradients_flow_through_the_continuation_only_and_prefix_is_not_mutated(policy, kwargs):
     _, drafter = model_pair("llama", "sdpa")
     drafter.train()
-    spec = _spec("budgeted", "snapkv", {"window_size": 4}, 16)
+    spec = _spec("budgeted", policy, kwargs, 16)
     ids = random_prompt(PREFIX + CONTINUATION, seed=6)
     shared = run_shared_prefix(drafter, ids[:, :PREFIX], spec.query_window)
     assert not any(k.requires_grad for k in shared.keys), "the shared prefix runs without gradient"

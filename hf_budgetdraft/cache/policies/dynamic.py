@@ -82,25 +82,30 @@ class DynamicChunkPolicy(KeepPolicy):
             heads=torch.arange(heads, device=keys.device)[None, :, None],
         )
 
-    def reselect(
-        self, index: PromptIndex, query: torch.Tensor, budget: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A step's `(chunks (B, H, k), keys, values (B, H, n, D))`: the chunks chosen with its last query `(B, H_q, D)`
-        (times the attention scaling) from `index` (of a prompt longer than `budget`), ascending, and the keys and
-        values of their positions (`positions(chunks, index)`, `n` as `select` keeps)."""
+    def choose(self, index: PromptIndex, query: torch.Tensor, budget: int) -> torch.Tensor:
+        """`(B, H, k)` ascending: the chunks of `index` (a prompt longer than `budget`) a query `(B, H_q, D)` (times
+        the attention scaling) keeps, the sink chunk among them."""
         batch, heads, num_chunks, size, dim = index.key_chunks.shape
-        rows, cols = index.rows, index.heads
         grouped = group_queries(query[:, :, None], heads)[:, :, :, 0]  # (B, H, G, D)
         keys = index.channels  # (B, H, D, C * size)
         if self.components > 0 and 3 * self.components < dim:
             channels = grouped.abs().sum(2).topk(self.components, dim=-1).indices  # (B, H, r)
             grouped = grouped.gather(-1, channels[:, :, None].expand(-1, -1, grouped.shape[2], -1))
-            keys = keys[rows, cols, channels]  # (B, H, r, C * size): whole channels
+            keys = keys[index.rows, index.heads, channels]  # (B, H, r, C * size): whole channels
         scores = (grouped.to(keys.dtype) @ keys).float()  # (B, H, G, C * size)
         scores = scores.view(batch, heads, -1, num_chunks, size).amax(dim=(2, 4))  # (B, H, C)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
         tail = index.tail_keys.shape[-2]
-        chosen = scores.topk((budget - tail) // size, dim=-1).indices.sort(dim=-1).values  # (B, H, k)
+        return scores.topk((budget - tail) // size, dim=-1).indices.sort(dim=-1).values
+
+    def reselect(
+        self, index: PromptIndex, query: torch.Tensor, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's `(chunks (B, H, k), keys, values (B, H, n, D))`: the chunks `choose` keeps for its last query
+        `(B, H_q, D)` and the keys and values of their positions (`positions(chunks, index)`, `n` as `select`
+        keeps)."""
+        chosen = self.choose(index, query, budget)
+        rows, cols, tail = index.rows, index.heads, index.tail_keys.shape[-2]
 
         def gather(chunks: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
             kept = chunks[rows, cols, chosen].flatten(2, 3)  # (B, H, k * size, D): whole chunks
