@@ -161,6 +161,44 @@ def markdown(records: list[dict], roles: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(results: list[dict], numerator: str, denominator: str, draws: int = 2000) -> list[dict]:
+    """`numerator`'s tokens a round over `denominator`'s at every (task, context, cache) both drafted, each a
+    paired ratio of means with its interval."""
+    table = _per_prompt(results)
+    records = []
+    for (task, context, drafter, cache), values in sorted(table.items()):
+        other = table.get((task, context, denominator, cache))
+        if drafter == numerator and other is not None:
+            ratio = ratio_of_means(values, other, draws)
+            records.append({"task": task, "context": context, "cache": cache, **ratio})
+    if not records:
+        drafters = sorted({d for (_, _, d, _) in table})
+        raise ValueError(
+            f"--compare {numerator}/{denominator}: no cell holds both; the results hold drafters {drafters}"
+        )
+    return records
+
+
+def compare_markdown(records: list[dict], numerator: str, denominator: str) -> str:
+    """One row per (task, context): the ratio at each cache, 95% paired interval, `>` / `<` where it excludes 1."""
+    caches = sorted(
+        {r["cache"] for r in records}, key=lambda c: (c != "full", int(c[2:]) if c != "full" else 0)
+    )
+    rows = {}
+    for r in records:
+        mark = " >" if r["ci"][0] > 1 else " <" if r["ci"][1] < 1 else ""
+        rows.setdefault((r["task"], r["context"]), {})[r["cache"]] = _ratio(r) + mark
+    lines = [
+        f"## `{numerator}` / `{denominator}`: tokens a round on the same prompts\n",
+        "Ratios of means, paired bootstrap 95% intervals; `>` / `<`: the interval lies above / below 1.\n",
+        "| task | context | " + " | ".join(caches) + " |",
+        "|" + "---|" * (2 + len(caches)),
+    ]
+    for (task, context), cells in rows.items():
+        lines.append(f"| {task} | {context} | " + " | ".join(cells.get(c, "") for c in caches) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _ratio(ratio: dict) -> str:
     return f"{ratio['ratio']:.2f} [{ratio['ci'][0]:.2f}, {ratio['ci'][1]:.2f}]"
 
@@ -181,13 +219,28 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("results", type=Path, help="a budget_evidence.py JSON")
-    parser.add_argument("--roles", nargs="+", required=True, help="base=NAME budgetdraft=NAME lambda0=NAME")
+    parser.add_argument("--roles", nargs="+", help="base=NAME budgetdraft=NAME lambda0=NAME")
+    parser.add_argument(
+        "--compare", nargs="+", default=[], help="A/B: drafter A's tokens a round over B's in every cell"
+    )
     parser.add_argument("--budgets", type=int, nargs="+", default=list(GOAL_BUDGETS))
     parser.add_argument("--bootstrap-draws", type=int, default=2000)
     args = parser.parse_args(argv)
-    roles = parse_roles(args.roles)
+    if not args.roles and not args.compare:
+        parser.error("give --roles, --compare or both")
     results = json.loads(args.results.read_text())["results"]
-    print(markdown(goals(results, roles, args.bootstrap_draws, args.budgets), roles))
+    if args.roles:
+        roles = parse_roles(args.roles)
+        print(markdown(goals(results, roles, args.bootstrap_draws, args.budgets), roles))
+    for pair in args.compare:
+        numerator, _, denominator = pair.partition("/")
+        if not numerator or not denominator:
+            parser.error(f"--compare takes A/B (two drafter names), got {pair!r}")
+        print(
+            compare_markdown(
+                compare(results, numerator, denominator, args.bootstrap_draws), numerator, denominator
+            )
+        )
 
 
 if __name__ == "__main__":

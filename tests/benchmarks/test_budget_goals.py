@@ -2,6 +2,7 @@
 each goal met, missed or open (its interval straddling the threshold)."""
 
 import importlib.util
+import json
 import sys
 
 import numpy as np
@@ -93,3 +94,26 @@ def test_bad_inputs_say_what_is_wrong():
         goals_module.goals(old, ROLES)
     with pytest.raises(ValueError, match="ROLE=DRAFTER"):
         goals_module.parse_roles(["teacher=x"])
+
+
+def test_compare_two_drafters_cell_by_cell(tmp_path, capsys):
+    full = [4.0, 6.0, 5.0, 3.0, 7.0, 5.5, 4.5, 6.5]
+    per_prompt = {
+        ("a", "full"): full,
+        ("a", "B=256"): [value * 1.1 for value in full],
+        ("b", "full"): full,
+        ("b", "B=256"): full,
+        ("c", "B=512"): full,  # no cell shared with a: left out
+    }
+    records = goals_module.compare(rows(per_prompt), "a", "b", draws=200)
+    assert [(r["cache"], round(r["ratio"], 3)) for r in records] == [("B=256", 1.1), ("full", 1.0)]
+    table = goals_module.compare_markdown(records, "a", "b")
+    assert "| copy | 16384 | 1.00 [1.00, 1.00] | 1.10 [1.10, 1.10] > |" in table
+    with pytest.raises(ValueError, match="no cell holds both"):
+        goals_module.compare(rows(per_prompt), "a", "nobody", draws=10)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"results": rows(per_prompt)}))
+    goals_module.main([str(results), "--compare", "a/b", "--bootstrap-draws", "50"])
+    assert "`a` / `b`" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        goals_module.main([str(results)])  # neither --roles nor --compare
