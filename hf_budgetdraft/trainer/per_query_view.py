@@ -64,7 +64,9 @@ class PerQueryView:
         length, (batch, heads, num_keys, _) = self.prefix_length, key.shape
         num_queries = query.shape[2]
         if num_keys != length + num_queries:
-            raise RuntimeError(f"a per-query view reads its prefix of {length} and the block, got {num_keys} keys")
+            raise RuntimeError(
+                f"a per-query view reads its prefix of {length} and the block, got {num_keys} keys"
+            )
         prompt = torch.ones(batch, heads, num_queries, length, dtype=torch.bool, device=key.device)
         if length > self.budget:  # else the deployed cache keeps the whole prompt
             index = self.policy.index(key[:, :, :length].detach(), value[:, :, :length].detach())

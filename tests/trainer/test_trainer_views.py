@@ -22,7 +22,7 @@ VIEWS = [  # (kind, policy, policy_kwargs, window_length, budgets)
     ("budgeted", "chunk", {"chunk_size": 4, "query_proxy": "last_query"}, 16, [12, 24, 48]),
     ("budgeted", "chunk", {"chunk_size": 4}, 5, [12, 24, 48]),  # window < continuation: windowed block mask
     ("sink_window", "chunk", None, None, [8, 24, 48]),  # 4 sink + window of budget - 4: the window slides
-    ("budgeted", "dynamic", {"chunk_size": 4}, 16, [12, 24, 48]),  # each query its own chunks: a per-query view
+    ("budgeted", "dynamic", {"chunk_size": 4}, 16, [12, 24, 48]),  # per-query view: each query its chunks
     ("budgeted", "dynamic", {"chunk_size": 4, "components": 2}, 5, [12, 24]),  # approximate scores, window 5
 ]
 
@@ -36,12 +36,12 @@ def _spec(kind, policy, kwargs, window):
 def _step_by_step(drafter, spec, budget, prefix, continuation):
     """What the deployed drafter computes: prefill the prompt into the cache, then one token per forward."""
     cache = spec.make_cache(drafter.config, budget)
-    with torch.no_grad():
-        with query_capture(drafter):  # a query-scored prefill, or a dynamic policy's every step
-            drafter(prefix, cache=cache)
-            steps = [
-                drafter(continuation[:, t : t + 1], cache=cache).logits for t in range(continuation.shape[1])
-            ]
+    # the capture serves a query-scored prefill, or a dynamic policy's every step
+    with torch.no_grad(), query_capture(drafter):
+        drafter(prefix, cache=cache)
+        steps = [
+            drafter(continuation[:, t : t + 1], cache=cache).logits for t in range(continuation.shape[1])
+        ]
     return torch.cat(steps, dim=1)  # (B, C, V)
 
 
