@@ -12,7 +12,8 @@ BudgetDraft, arXiv 2606.00144, §3.2. Per training step:
    causal, which is exactly what token-by-token decoding through the same cache reads while every block token is
    within the cache's recent window. When it is not (a sink/window cache whose window slides during the block, or a
    continuation longer than a budgeted cache's window), `windowed_block_mask` restricts each query to the keys the
-   ring would still hold at its position, so the view stays exact.
+   ring would still hold at its position, so the view stays exact. A policy that selects again at every draft step
+   (dynamic) has no single selection to build: its view is a `PerQueryView` (`per_query_view.py`).
 
 Cache buffers are stored detached, so gradients flow through the continuation's own keys/values (the block the
 layer returns), not into the shared prefix — as in the paper, the prefix is run without gradient.
