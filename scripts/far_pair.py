@@ -34,6 +34,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from hf_budgetdraft.cache.policies import POLICIES
+
 SCRIPTS = Path(__file__).resolve().parent
 PART_BYTES = 15 * 1024 * 1024  # the device tool brings back files of at most 16 MiB, 8 in all
 PACK_SECONDS = 60  # kept for packing at the end of the run
@@ -160,6 +162,7 @@ def finetune_command(args, work: Path, name: str, sparse_loss_weight: float) -> 
     values |= {"--continuations": "target", "--continuation_batch_size": args.continuation_batch_size}
     values |= {"--teacher_cache_dir": work / "teacher_cache", "--budgets": args.budgets}
     values |= {"--budget_weights": args.budget_weights, "--window_length": args.window_length}
+    values |= {"--policy": args.policy}
     values |= {"--sparse_loss_weight": sparse_loss_weight, "--learning_rate": args.finetune_lr}
     values |= {"--warmup_steps": min(30, args.finetune_steps // 10), "--max_steps": args.finetune_steps}
     values |= {"--per_device_train_batch_size": args.finetune_batch, "--report_to": "none"}
@@ -301,6 +304,12 @@ def parse(argv=None) -> argparse.Namespace:
     go.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     go.add_argument("--budget-weights", type=float, nargs="+", default=[0.4, 0.3, 0.2, 0.1])
     go.add_argument("--window-length", type=int, default=256)
+    go.add_argument(
+        "--policy",
+        default="chunk",
+        choices=sorted(POLICIES),
+        help="the views' selection (dynamic: per-query views)",
+    )
     go.add_argument("--sparse-loss-weight", type=float, default=0.5)
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--cpu-smoke", action="store_true", help="tiny sizes for seconds on CPU")

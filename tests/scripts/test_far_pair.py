@@ -73,8 +73,19 @@ def test_a_failed_stage_stops_what_needs_it(tmp_path):
 
 
 def test_bad_arguments_are_refused(tmp_path):
-    for bad in (["--minutes", "0"], ["--budgets", "256", "512", "--budget-weights", "1"]):
+    for bad in (
+        ["--minutes", "0"],
+        ["--budgets", "256", "512", "--budget-weights", "1"],
+        ["--policy", "nope"],
+    ):
         with pytest.raises(SystemExit):
             far_pair.parse(["run", "--out", str(tmp_path), *bad])
     with pytest.raises(ValueError, match="no far_pair.tar.NNN parts"):
         far_pair.unpack(tmp_path, tmp_path / "into")
+
+
+def test_the_fine_tunes_train_on_the_chosen_views(tmp_path):
+    args = far_pair.parse(["run", "--out", str(tmp_path), "--policy", "dynamic"])
+    for name, weight in (("finetune_dual", 0.5), ("finetune_lambda0", 0.0)):
+        command = far_pair.finetune_command(args, tmp_path, name, weight)
+        assert command[command.index("--policy") + 1] == "dynamic"
