@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from ..attention.function_parts import family_eager_attention
+from ..attention.function_parts import as_additive, family_eager_attention
 from ..attention.scoped import using_attention
 from ..cache.policies.dynamic import DynamicChunkPolicy
 
@@ -104,11 +104,8 @@ def _make_view_attention(base: str):
         view = _active.get()
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         visible = None if view is None else view.visible(module.layer_idx, query * scaling, key, value)
-        if visible is not None and base == "sdpa":
-            attention_mask = visible
-        elif visible is not None:
-            attention_mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-            attention_mask.masked_fill_(~visible, torch.finfo(query.dtype).min)
+        if visible is not None:
+            attention_mask = visible if base == "sdpa" else as_additive(visible, query.dtype)
         if base == "sdpa":
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         function = family_eager_attention(module, "has no eager_attention_forward; load it with 'sdpa'")
