@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from torch_support import needs_traceable_transformers
 
 from hf_budgetdraft.cli import main
 
@@ -57,6 +58,7 @@ def test_no_command_prints_the_usage():
     assert main([]) == 2
 
 
+@needs_traceable_transformers
 def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
     """`--compile true`: a static draft cache whose one-token step compiles once (in the untimed warm-up run) and
     is reused by the timed one; `--assistant_confidence_threshold` ends drafts early; the output stays the target's."""

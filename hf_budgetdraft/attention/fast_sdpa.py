@@ -131,9 +131,11 @@ def _split_past_and_block(
     )  # (B, H_kv, G*q, D), (B, H_kv, G*q)
     out_past = out_past.reshape(batch, num_heads, q_length, head_dim)
     lse_past = lse_past.reshape(batch, num_heads, q_length)
-    # new block: q x q, causal (upper-left == lower-right for a square block); GQA handled by the kernel
+    # new block: q x q, causal (upper-left == lower-right for a square block). Its q keys are repeated per query
+    # head (a few rows): torch < 2.9's CPU kernel reads past the key heads when they are fewer than the query's
+    new_keys, new_values = (t[:, :, past:].repeat_interleave(groups, dim=1) for t in (key, value))
     out_new, lse_new = _flash_with_lse(
-        query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scaling
+        query, new_keys, new_values, 0.0, True, scale=scaling
     )  # (B, H_q, q, D), (B, H_q, q)
     # softmax over the union = convex combination weighted by each part's share of the total exp-mass
     weight_past = torch.sigmoid(lse_past - lse_new).unsqueeze(-1)  # (B, H_q, q, 1)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_generate_equivalence import CACHES, NEW_TOKENS, speculate
 from tiny_models import model_pair, random_prompt
+from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -173,6 +174,7 @@ def test_every_single_sequence_path_stays_lossless(run):
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS))
 
 
+@needs_traceable_transformers
 def test_a_static_step_reselects_inside_its_compiled_graph():
     """On a static cache the step re-selects inside the attention function, with fixed shapes: the one-token step
     compiles into one graph (`fullgraph=True`) reused over the whole call, and the output is still the target's."""

@@ -19,6 +19,7 @@ from draft_cache_cases import BUDGET_POLICIES, DIM, HEADS, SLACK, random_kv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import model_pair, random_prompt, tiny_config
+from torch_support import needs_traceable_transformers
 from transformers import AutoModelForCausalLM, CompileConfig
 
 from hf_budgetdraft import (
@@ -200,6 +201,7 @@ def fresh_dynamo():
     ],
     ids=["sink_window", "budgeted"],
 )
+@needs_traceable_transformers
 def test_decode_step_compiles_fullgraph_once_and_matches_dynamic(cache_class, kwargs, fresh_dynamo):
     _, drafter = model_pair("llama", "budgetdraft_varlen")
     _, reference = model_pair("llama", "sdpa")
@@ -278,7 +280,9 @@ def test_static_greedy_equals_target_and_drafts_like_dynamic(family, case):
     assert 0 < sum(accepted) < 3 * len(accepted)  # some drafts accepted, some rejected: the check can fail
 
 
-@pytest.mark.parametrize("where", ["drafter", "auto", "disabled"])
+@pytest.mark.parametrize(
+    "where", [pytest.param("drafter", marks=needs_traceable_transformers), "auto", "disabled"]
+)
 def test_static_draft_step_compiles_once_when_asked(where, fresh_dynamo):
     """A `compile_config` on the drafter's generation config compiles the static draft's one-token step, CPU
     included: one graph for a whole speculative generation (contexts grow, the ring wraps, rounds roll back), the

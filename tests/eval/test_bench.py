@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from torch_support import needs_traceable_transformers
 
 from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer
 from hf_budgetdraft.cli import main
@@ -316,6 +317,7 @@ def test_method_spec_labels_and_errors():
         MethodSpec("mtp", "full", target="mtp", defaults=True)
 
 
+@needs_traceable_transformers
 def test_compiled_draft_runs_beside_the_eager_draft_and_stays_lossless(tmp_path):
     """`--compiled_draft`: every sparse draft also runs on a static cache with a compiled (inductor) one-token step,
     interleaved with the eager one; the drafters switch to the varlen attention; outputs stay the target's."""

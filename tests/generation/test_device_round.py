@@ -8,6 +8,7 @@ import torch
 from test_device_rules import HostReads
 from test_draft_spec import plan_for
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
+from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
 from hf_budgetdraft import record_speculation
@@ -121,6 +122,7 @@ def test_greedy_output_is_the_targets_own(family, cache):
     )  # full, partial and no acceptance
 
 
+@needs_traceable_transformers
 @pytest.mark.parametrize("family", FULL_ATTENTION)
 def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
     """The verification traced by dynamo (a counting backend runs each graph eagerly): one graph per bucket, the
@@ -157,6 +159,7 @@ def test_a_target_with_sliding_layers_keeps_transformers_loop():
     assert "besides full attention" in plan_for(target, drafter).reasons["device_round"]
 
 
+@needs_traceable_transformers
 def test_compiled_verification_captures_each_bucket_once_per_process(fresh_dynamo):
     """Across rounds and calls: one graph per (bucket, cache size), never a recompilation; a second call compiles
     nothing and reuses the static cache of the first."""
@@ -182,6 +185,7 @@ def test_compiled_verification_captures_each_bucket_once_per_process(fresh_dynam
     assert len(free) == 1
 
 
+@needs_traceable_transformers
 def test_a_failed_compilation_falls_back_once_and_does_not_poison_later_ones(fresh_dynamo, caplog):
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
     ids = random_prompt(150, seed=5)
@@ -199,6 +203,7 @@ def test_a_failed_compilation_falls_back_once_and_does_not_poison_later_ones(fre
     assert record["compiled_calls"] == stats.rounds and graphs
 
 
+@needs_traceable_transformers
 def test_one_host_read_a_round(fresh_dynamo):
     """Counted over whole calls, transformers' code included: besides what a call reads once (generate()'s setup,
     the prefill's mask and EOS checks: the same for a short and a long call), one read a round (the accepted count

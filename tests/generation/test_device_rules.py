@@ -10,6 +10,7 @@ import torch
 from test_draft_spec import plan_for
 from tiny_models import model_pair, random_prompt
 from torch.overrides import TorchFunctionMode
+from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
 from hf_budgetdraft import record_speculation
@@ -258,6 +259,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@needs_traceable_transformers
 def test_a_compiled_round_reads_nothing_from_the_device(fresh_dynamo):
     """The compiled step cannot count on the host; the draft loop hands the count back before each rollback, so
     rounds still read nothing (but the first compiled call's one check of whether a failed compilation wrote to the

@@ -5,6 +5,7 @@ import pytest
 import torch
 from test_draft_spec import plan_for
 from tiny_models import model_pair, random_prompt
+from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
 from hf_budgetdraft.attention.varlen import NAME as VARLEN
@@ -32,7 +33,7 @@ def static_drafter_and_caches(count: int):
     return drafter, [spec.build_cache(drafter.config, static=True) for _ in range(count)]
 
 
-@pytest.mark.parametrize("kind", ["lean", "compiled"])
+@pytest.mark.parametrize("kind", ["lean", pytest.param("compiled", marks=needs_traceable_transformers)])
 @torch.no_grad()
 def test_each_step_writes_and_returns_what_the_drafters_forward_does(kind, fresh_dynamo):
     drafter, (reference_cache, cache) = static_drafter_and_caches(2)
@@ -76,6 +77,7 @@ def test_a_plan_picks_its_steps_once():
     assert steps.prefill.window == plain.spec.prefill_window
 
 
+@needs_traceable_transformers
 @torch.no_grad()
 def test_a_short_block_goes_through_the_compiled_step_one_token_at_a_time(fresh_dynamo):
     """With `tokens_one_by_one` (CUDA's device rule), a catch-up block of a few tokens runs the compiled one-token

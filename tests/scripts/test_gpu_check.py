@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from repo_paths import SCRIPTS
+from torch_support import needs_traceable_transformers
 
 SCRIPT = SCRIPTS / "gpu_check.py"
 
@@ -31,6 +32,7 @@ def fresh_dynamo():
     torch.set_num_threads(threads)
 
 
+@needs_traceable_transformers
 def test_cpu_smoke_runs_every_section_and_passes(gpu_check, tmp_path, fresh_dynamo):
     code = gpu_check.main(["--out", str(tmp_path), "--cpu-smoke"])
     report = json.loads((tmp_path / "gpu_check.json").read_text())

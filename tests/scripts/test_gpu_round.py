@@ -9,10 +9,12 @@ import subprocess
 import sys
 
 from repo_paths import SCRIPTS
+from torch_support import needs_traceable_transformers
 
 SCRIPT = SCRIPTS / "gpu_round.py"
 
 
+@needs_traceable_transformers
 def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--commit", "abc123", "--cpu-smoke"],

@@ -213,14 +213,19 @@ def torch_varlen_call(
     causal: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    """`varlen_attn` bound to the installed torch's signature: 2.10 takes `is_causal`, 2.11 `window_size`, 2.13
-    also `enable_gqa`; where that flag is missing, key/value heads are repeated to the query's (exact).
+    """`varlen_attn` bound to the installed torch's signature: 2.10 takes `is_causal` and no `scale` (the query is
+    scaled instead), 2.11 `window_size` and `scale`, 2.13 also `enable_gqa`; where that flag is missing, key/value
+    heads are repeated to the query's (exact).
 
     Shapes as in `varlen_attention`.
     """
     parameters = torch_varlen_parameters()
     grouped = query.shape[1] != key.shape[1]
-    kwargs: dict = {"scale": scale}
+    kwargs: dict = {}
+    if "scale" in parameters:
+        kwargs["scale"] = scale
+    elif scale is not None:  # the kernel scales by head_dim ** -0.5
+        query = query * (scale * query.shape[-1] ** 0.5)
     if "window_size" in parameters:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     else:
