@@ -4,9 +4,10 @@ The deployed cache re-selects the prompt's chunks with each step's own query bef
 token-by-token decoding every token reads a different set of prompt keys. One cache cannot hand a block forward a
 key set per query; this view keeps the whole prefix (the full-cache branch's `DynamicCache`) and, in the attention
 of each layer the deployed cache makes sparse, masks every prefix key outside the chunks the query's own
-`choose` keeps, and every continuation key the ring window would have dropped. The selection is not differentiable
-(as at inference, it reads detached scores); gradients flow through the attention over the kept keys, the
-continuation's own keys and values included, as in the single-selection views.
+`choose` keeps (the block's queries scored together, in blocks of bounded memory), and every continuation key the
+ring window would have dropped. The selection is not differentiable (as at inference, it reads detached scores);
+gradients flow through the attention over the kept keys, the continuation's own keys and values included, as in
+the single-selection views.
 
 The view is exact for one-token steps; a deployed step of several tokens selects with its last query for all of
 them. `tests/trainer/test_trainer_views.py` checks view logits against token-by-token decoding.
@@ -31,6 +32,7 @@ from ..cache.policies.dynamic import DynamicChunkPolicy
 VIEW_PREFIX = "budgetdraft_per_query_view_"
 _MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 _active: ContextVar[PerQueryView | None] = ContextVar("budgetdraft_per_query_view", default=None)
+SELECTION_ELEMENTS = 1 << 22  # a bound on one block's chunk scores and gathered key channels (16 MiB of fp32)
 
 
 @dataclass
@@ -71,9 +73,14 @@ class PerQueryView:
         if length > self.budget:  # else the deployed cache keeps the whole prompt
             index = self.policy.index(key[:, :, :length].detach(), value[:, :, :length].detach())
             prompt.zero_()
-            for t in range(num_queries):
-                chosen = self.policy.choose(index, query[:, :, t].detach(), self.budget)  # (B, H_kv, k)
-                prompt[:, :, t].scatter_(-1, self.policy.positions(chosen, index), True)
+            # the queries in blocks whose scores `(B, H_kv, block, G, P)` and, for approximate scores, gathered
+            # key channels `(B, H_kv, block, r, P)` hold at most SELECTION_ELEMENTS floats
+            channels = self.policy.components if self.policy.approximates(key.shape[-1]) else 0
+            block = max(1, SELECTION_ELEMENTS // (batch * length * (query.shape[1] + heads * channels)))
+            for start in range(0, num_queries, block):
+                queries = query[:, :, start : start + block].detach()
+                chosen = self.policy.choose(index, queries, self.budget)  # (B, H_kv, block, k)
+                prompt[:, :, start : start + block].scatter_(-1, self.policy.positions(chosen, index), True)
         key_pos = torch.arange(length, num_keys, device=key.device)
         query_pos = key_pos[:, None]
         recent = (key_pos <= query_pos) & (key_pos >= query_pos - self.window_length)  # the ring, causal

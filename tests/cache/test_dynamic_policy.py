@@ -72,6 +72,26 @@ def test_reselect_matches_a_naive_loop(components, length):
     assert torch.equal(kept_keys, keys.gather(2, index)) and torch.equal(kept_values, values.gather(2, index))
 
 
+@pytest.mark.parametrize("components", [0, 3])  # exact, 3 of 16 channels (each query its own)
+def test_choosing_for_many_queries_at_once_is_choosing_for_each_alone(components):
+    generator = torch.Generator().manual_seed(components)
+    keys, values = (
+        torch.randn(2, 2, 61, 16, generator=generator),
+        torch.randn(2, 2, 61, 16, generator=generator),
+    )
+    queries = torch.randn(2, 4, 7, 16, generator=generator)  # 7 queries, 4 query heads over 2 KV heads
+    policy = DynamicChunkPolicy(chunk_size=SIZE, components=components)
+    index = policy.index(keys, values)
+    together = policy.choose(index, queries, BUDGET)  # (B, H_kv, 7, k)
+    alone = torch.stack([policy.reselect(index, queries[:, :, t], BUDGET)[0] for t in range(7)], dim=2)
+    assert torch.equal(together, alone)
+    assert (
+        len({tuple(c) for c in together[0, 0].tolist()}) > 1
+    )  # the queries choose differently: the check has power
+    positions = policy.positions(together, index)  # (B, H_kv, 7, n): the prefill's count each
+    assert positions.shape == (2, 2, 7, policy.select(keys, BUDGET).shape[-1])
+
+
 def test_a_query_finds_a_key_planted_far_back_on_few_channels():
     """The approximate score reads 2 of 16 channels, and finds the chunk the query points at."""
     keys = torch.randn(1, 1, 200, 16, generator=torch.Generator().manual_seed(0)) * 0.1

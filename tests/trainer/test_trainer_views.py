@@ -6,6 +6,7 @@ import torch
 from tiny_models import model_pair, random_prompt
 
 from hf_budgetdraft import query_capture
+from hf_budgetdraft.trainer import per_query_view
 from hf_budgetdraft.trainer.views import SparseViewSpec, full_cache, run_shared_prefix, view_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,6 +115,20 @@ def test_per_query_view_on_a_hybrid_sliding_model(window):
     with torch.no_grad():
         got = view_logits(drafter, continuation, spec.build(drafter.config, shared, 24))
     torch.testing.assert_close(got, _step_by_step(drafter, spec, 24, prefix, continuation), **TOLERANCE)
+
+
+def test_per_query_view_scores_its_queries_in_bounded_blocks(monkeypatch):
+    """A block of one query at a time (the memory bound at its tightest) gives the one-block view's logits."""
+    _, drafter = model_pair("llama", "sdpa")
+    spec = _spec(*VIEWS[6][:4])  # dynamic, approximate scores, window 5
+    ids = random_prompt(PREFIX + CONTINUATION, seed=1)
+    shared = run_shared_prefix(drafter, ids[:, :PREFIX], spec.query_window)
+    logits = []
+    for bound in (per_query_view.SELECTION_ELEMENTS, 1):
+        monkeypatch.setattr(per_query_view, "SELECTION_ELEMENTS", bound)
+        with torch.no_grad():
+            logits.append(view_logits(drafter, ids[:, PREFIX:], spec.build(drafter.config, shared, 12)))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
 def test_per_query_view_needs_an_attention_function_it_can_mask():

@@ -69,10 +69,10 @@ class ChunkPolicy(KeepPolicy):
 
 
 def chunk_positions(chosen: torch.Tensor, size: int, length: int) -> torch.Tensor:
-    """`(B, H, k * size + tail)` ascending positions of the chunks `chosen` `(B, H, k)` (ascending) of a prefix of
-    `length` tokens, then its trailing partial chunk (`tail = length % size`)."""
-    batch, heads = chosen.shape[:2]
+    """`(..., k * size + tail)` ascending positions of the chunks `chosen` `(..., k)` (ascending; `(B, H, k)` for a
+    cache) of a prefix of `length` tokens, then its trailing partial chunk (`tail = length % size`)."""
     offsets = torch.arange(size, device=chosen.device)
-    positions = (chosen[..., None] * size + offsets).flatten(-2)  # (B, H, k * size)
-    trailing = torch.arange(length - length % size, length, device=chosen.device).expand(batch, heads, -1)
+    positions = (chosen[..., None] * size + offsets).flatten(-2)  # (..., k * size)
+    trailing = torch.arange(length - length % size, length, device=chosen.device)
+    trailing = trailing.expand(*chosen.shape[:-1], -1)
     return torch.cat([positions, trailing], dim=-1)

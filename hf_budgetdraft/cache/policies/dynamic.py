@@ -82,18 +82,27 @@ class DynamicChunkPolicy(KeepPolicy):
             heads=torch.arange(heads, device=keys.device)[None, :, None],
         )
 
-    def choose(self, index: PromptIndex, query: torch.Tensor, budget: int) -> torch.Tensor:
-        """`(B, H, k)` ascending: the chunks of `index` (a prompt longer than `budget`) a query `(B, H_q, D)` (times
-        the attention scaling) keeps, the sink chunk among them."""
+    def approximates(self, head_dim: int) -> bool:
+        """Whether a query scores on `components` of its `head_dim` channels (else exactly, on all of them)."""
+        return self.components > 0 and 3 * self.components < head_dim
+
+    def choose(self, index: PromptIndex, queries: torch.Tensor, budget: int) -> torch.Tensor:
+        """`(B, H, T, k)` ascending: for each of `T` queries `(B, H_q, T, D)` (times the attention scaling), the
+        chunks of `index` (a prompt longer than `budget`) it keeps, the sink chunk among them. Each query scores
+        on its own channels, as if it came alone."""
         batch, heads, num_chunks, size, dim = index.key_chunks.shape
-        grouped = group_queries(query[:, :, None], heads)[:, :, :, 0]  # (B, H, G, D)
-        keys = index.channels  # (B, H, D, C * size)
-        if self.components > 0 and 3 * self.components < dim:
-            channels = grouped.abs().sum(2).topk(self.components, dim=-1).indices  # (B, H, r)
-            grouped = grouped.gather(-1, channels[:, :, None].expand(-1, -1, grouped.shape[2], -1))
-            keys = keys[index.rows, index.heads, channels]  # (B, H, r, C * size): whole channels
-        scores = (grouped.to(keys.dtype) @ keys).float()  # (B, H, G, C * size)
-        scores = scores.view(batch, heads, -1, num_chunks, size).amax(dim=(2, 4))  # (B, H, C)
+        grouped = group_queries(queries, heads).transpose(2, 3)  # (B, H, T, G, D)
+        if self.approximates(dim):
+            channels = grouped.abs().sum(3).topk(self.components, dim=-1).indices  # (B, H, T, r)
+            grouped = grouped.gather(-1, channels[:, :, :, None].expand(-1, -1, -1, grouped.shape[3], -1))
+            rows, cols = index.rows[..., None], index.heads[..., None]  # (B, 1, 1, 1), (1, H, 1, 1)
+            keys = index.channels[rows, cols, channels]  # (B, H, T, r, C * size): whole channels
+            scores = grouped.to(keys.dtype) @ keys  # (B, H, T, G, C * size)
+        else:  # every query reads the same keys: one product over all of them
+            scores = (
+                grouped.flatten(2, 3).to(index.channels.dtype) @ index.channels
+            )  # (B, H, T * G, C * size)
+        scores = scores.float().view(*grouped.shape[:4], num_chunks, size).amax(dim=(3, 5))  # (B, H, T, C)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
         tail = index.tail_keys.shape[-2]
         return scores.topk((budget - tail) // size, dim=-1).indices.sort(dim=-1).values
@@ -104,7 +113,7 @@ class DynamicChunkPolicy(KeepPolicy):
         """A step's `(chunks (B, H, k), keys, values (B, H, n, D))`: the chunks `choose` keeps for its last query
         `(B, H_q, D)` and the keys and values of their positions (`positions(chunks, index)`, `n` as `select`
         keeps)."""
-        chosen = self.choose(index, query, budget)
+        chosen = self.choose(index, query[:, :, None], budget)[:, :, 0]
         rows, cols, tail = index.rows, index.heads, index.tail_keys.shape[-2]
 
         def gather(chunks: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
@@ -119,6 +128,7 @@ class DynamicChunkPolicy(KeepPolicy):
 
     @staticmethod
     def positions(chunks: torch.Tensor, index: PromptIndex) -> torch.Tensor:
-        """`(B, H, n)` ascending prompt positions of the chunks `reselect` chose, then the trailing partial chunk."""
+        """`(..., n)` ascending prompt positions of the chunks `(..., k)` `choose` chose, then the trailing partial
+        chunk."""
         num_chunks, size = index.key_chunks.shape[2:4]
         return chunk_positions(chunks, size, num_chunks * size + index.tail_keys.shape[-2])
