@@ -14,7 +14,7 @@ here, from the installed transformers' own signatures and attributes (never from
   are untouched either way.
 
 `TESTED` is the range CI runs: the full suite on its newest release, the integration-critical tests on its oldest
-(`scripts/check_transformers.sh VERSION` runs those on any release).
+(`scripts/check_release.sh transformers VERSION` runs those on any release).
 """
 
 from __future__ import annotations

@@ -433,7 +433,7 @@ def install() -> None:
         logger.warning(
             f"hf-budgetdraft is tested with transformers {TESTED[0]} to {TESTED[1]}, not {transformers.__version__}; "
             "every patch point it relies on is there, so speculative calls run, untested "
-            "(scripts/check_transformers.sh checks a release)"
+            "(scripts/check_release.sh transformers VERSION checks one)"
         )
     install_scoped_attention()
     register_query_capture()

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"```.*?```", re.S)
-SKIP = {".git", ".venv", ".venv-transformers", "build", "dist", "node_modules", ".pytest_cache"}
+SKIP = {".git", ".venv", ".venv-releases", "build", "dist", "node_modules", ".pytest_cache"}
 
 
 def markdown_files() -> list[Path]:
