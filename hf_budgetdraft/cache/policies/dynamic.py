@@ -98,10 +98,8 @@ class DynamicChunkPolicy(KeepPolicy):
             rows, cols = index.rows[..., None], index.heads[..., None]  # (B, 1, 1, 1), (1, H, 1, 1)
             keys = index.channels[rows, cols, channels]  # (B, H, T, r, C * size): whole channels
             scores = grouped.to(keys.dtype) @ keys  # (B, H, T, G, C * size)
-        else:  # every query reads the same keys: one product over all of them
-            scores = (
-                grouped.flatten(2, 3).to(index.channels.dtype) @ index.channels
-            )  # (B, H, T * G, C * size)
+        else:  # every query reads the same keys: one product, (B, H, T * G, D) @ (B, H, D, C * size)
+            scores = grouped.flatten(2, 3).to(index.channels.dtype) @ index.channels
         scores = scores.float().view(*grouped.shape[:4], num_chunks, size).amax(dim=(3, 5))  # (B, H, T, C)
         scores[..., 0] = torch.inf  # the sink chunk is always kept
         tail = index.tail_keys.shape[-2]
