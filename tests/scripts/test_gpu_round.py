@@ -54,9 +54,13 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
     real = merged["parts"]["real"]["real"]
     for dtype in ("float32", "bfloat16"):
         paths = real["identity"][dtype]
-        assert all(row["diff_tokens"] == 0 for name, row in paths.items() if name != "batch_of_4")
-        assert all(row["diff_tokens"] == 0 for row in paths["batch_of_4"].values())
+        rows = [row for name, row in paths.items() if name != "batch_of_4"]
+        rows += paths["batch_of_4"].values()
+        if dtype == "float32":
+            assert all(row["diff_tokens"] == 0 for row in rows)
+        else:  # a first divergence only at a near-tie (the script's BF16_MARGIN): bf16 rounds batches otherwise
+            assert all(row["diff_tokens"] == 0 or abs(row["target_margin"]) <= 0.25 for row in rows)
         assert paths["device_round_sink_window_static"]["runtime"]["loop"] == "device_round"
         assert paths["transformers_loop_static"]["runtime"]["loop"] == "transformers"
-        assert paths["oneliner_policy_dynamic"]["diff_tokens"] == 0
+        assert "oneliner_policy_dynamic" in paths
     assert real["speed"]["runtime"]["loop"] == "device_round" and real["speed"]["d_over_b"] > 0
