@@ -10,6 +10,12 @@ import traceback
 from pathlib import Path
 
 
+def _cuda():
+    """`torch.cuda` where this process uses a GPU (torch imported, a device present), else None."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_available() else None
+
+
 class Report:
     """The JSON document: sections, named checks, errors; rewritten to disk after every section."""
 
@@ -38,6 +44,9 @@ class Report:
     def section(self, name: str, function, *args) -> None:
         print(f"== {name} ({self.elapsed():.0f} s)", flush=True)
         began = time.perf_counter()
+        cuda = _cuda()
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
         try:
             self.data[name] = function(self, *args)
         except Exception as error:  # a failed section is recorded; the others still run
@@ -47,6 +56,11 @@ class Report:
             self.check(f"{name}.ran", False, repr(error))
             print(traceback.format_exc(), file=sys.stderr, flush=True)
         self.data.setdefault("section_seconds", {})[name] = round(time.perf_counter() - began, 2)
+        if cuda is not None:  # a reading, also after an out-of-memory error: how far the section got
+            peak = {"allocated": cuda.max_memory_allocated(), "reserved": cuda.max_memory_reserved()}
+            self.data.setdefault("section_peak_gib", {})[name] = {
+                k: round(v / 2**30, 2) for k, v in peak.items()
+            }
         self.write()
 
     def write(self) -> None:

@@ -128,6 +128,37 @@ def test_a_failing_section_is_recorded_and_fails_the_run(gpu_check, tmp_path):
     assert written["checks"]["broken.ran"]["passed"] is False
 
 
+def test_each_section_records_its_peak_gpu_memory_even_when_it_fails(gpu_check, tmp_path, monkeypatch):
+    readings = iter([3, 6, 5, 10])  # GiB: allocated then reserved, a section at a time
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(readings) * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(readings) * 2**30)
+    report = gpu_check.Report(tmp_path / "gpu_check.json", "gpu", time_budget=60, margin_tolerance=0.25)
+
+    def out_of_memory(report):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    report.section("fine", lambda report: {})
+    report.section("long", out_of_memory)
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert len(resets) == 2
+    assert written["section_peak_gib"] == {
+        "fine": {"allocated": 3.0, "reserved": 6.0},
+        "long": {"allocated": 5.0, "reserved": 10.0},
+    }
+    assert written["errors"][0]["section"] == "long"
+
+
+def test_no_gpu_memory_is_recorded_on_cpu(gpu_check, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    report = gpu_check.Report(tmp_path / "gpu_check.json", "cpu-smoke", time_budget=60, margin_tolerance=0.25)
+    report.section("fine", lambda report: {})
+    assert "section_peak_gib" not in json.loads((tmp_path / "gpu_check.json").read_text())
+
+
 def test_refuses_to_run_without_cuda_unless_smoke(gpu_check, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
