@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
+from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from .function_parts import (
     IGNORED_KWARGS,
@@ -47,6 +48,8 @@ NAME = "budgetdraft_sdpa"
 
 # aten's CPU flash kernel: returns the log-sum-exp next to the output, what the exact split-and-merge needs
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# before torch 2.9 that kernel reads past the key heads when a block has fewer of them than the query has heads
+_KERNEL_GQA_EXACT = is_torch_greater_or_equal("2.9")
 
 
 def budgetdraft_sdpa_mask(
@@ -131,9 +134,10 @@ def _split_past_and_block(
     )  # (B, H_kv, G*q, D), (B, H_kv, G*q)
     out_past = out_past.reshape(batch, num_heads, q_length, head_dim)
     lse_past = lse_past.reshape(batch, num_heads, q_length)
-    # new block: q x q, causal (upper-left == lower-right for a square block). Its q keys are repeated per query
-    # head (a few rows): torch < 2.9's CPU kernel reads past the key heads when they are fewer than the query's
-    new_keys, new_values = (t[:, :, past:].repeat_interleave(groups, dim=1) for t in (key, value))
+    # new block: q x q, causal (upper-left == lower-right for a square block); GQA by the kernel where it is exact
+    new_keys, new_values = key[:, :, past:], value[:, :, past:]
+    if groups > 1 and not _KERNEL_GQA_EXACT:
+        new_keys, new_values = (t.repeat_interleave(groups, dim=1) for t in (new_keys, new_values))
     out_new, lse_new = _flash_with_lse(
         query, new_keys, new_values, 0.0, True, scale=scaling
     )  # (B, H_q, q, D), (B, H_q, q)

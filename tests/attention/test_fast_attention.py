@@ -71,10 +71,19 @@ def test_registered_on_import_idempotently():
     assert AttentionMaskInterface._global_mapping[NAME] is budgetdraft_sdpa_mask
 
 
+@pytest.mark.parametrize("kernel_gqa", [True, False], ids=["kernel_gqa", "repeated_block_keys"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_function_matches_stock_sdpa_on_the_equivalent_mask(kv_heads, dtype):
-    """`None` from the mask function = lower-right causal; stock sdpa gets that mask spelled out."""
+def test_attention_function_matches_stock_sdpa_on_the_equivalent_mask(
+    kv_heads, dtype, kernel_gqa, monkeypatch
+):
+    """`None` from the mask function = lower-right causal; stock sdpa gets that mask spelled out. Both ways of the
+    new block's GQA: the kernel's (torch >= 2.9) and its keys repeated per query head (before)."""
+    if kernel_gqa and not fast_sdpa._KERNEL_GQA_EXACT:
+        pytest.skip(
+            f"torch {torch.__version__}'s CPU flash kernel is wrong with fewer key heads than query heads"
+        )
+    monkeypatch.setattr(fast_sdpa, "_KERNEL_GQA_EXACT", kernel_gqa)
     module = _Module(4 // kv_heads)
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for q_length in [1, 2, 3, 5, 8, 40]:
