@@ -9,16 +9,17 @@ rewritten after every part, with the git commit passed in (the tree travels with
 
 - `synthetic` (per context, default 8K and 32K): a Llama-3.1-8B-shaped target and a llama-68m-shaped drafter with
   random bf16 weights built on the device, the target's LM head scaled until its top-1 margin clears bf16 rounding
-  (the smallest margin reported). Decode tokens/s after the first token (`(N - 1) / (t(N) - t(1))`), warm
-  (compilation and capture timed apart), paired repeats, medians of ratios to (b): (a) plain `generate()`;
-  (b) `generate(cache_implementation="static")`, compiled by transformers; (c) stock assisted generation with the
-  same drafter on a static target cache, transformers' defaults and the one-liner's draft length without a
-  confidence threshold; (d) the one-liner with its defaults; (d0) the one-liner drafting nothing (its AR round).
-  Random weights accept nothing, so (c) and (d) run with **replayed acceptance** (`hf_budgetdraft.eval.replay`, a
-  benchmark tool): per survival trace of the bundled pair (`benchmarks/results/gpu/survival_traces.json`, the 16K
-  trace beyond 16K, named so) and BudgetDraft's published acceptance. The device round's own record: what ran
-  (compiled verification and draft step, graphs, recompilations), synchronisations a round
-  (`torch.cuda.set_sync_debug_mode`), and a round's wall time against the CUDA-event time of its forwards.
+  (the smallest margin reported). Decode tokens/s after the first token (one call, timed from the first tokens a
+  streamer receives; stock assisted generation's are its first round), warm (compilation and capture timed apart),
+  paired repeats, medians of ratios to (b): (a) plain `generate()`; (b) `generate(cache_implementation="static")`,
+  compiled by transformers; (c) stock assisted generation with the same drafter on a static target cache,
+  transformers' defaults and the one-liner's draft length without a confidence threshold; (d) the one-liner with
+  its defaults; (d0) the one-liner drafting nothing (its AR round). Random weights accept nothing, so (c) and (d)
+  run with **replayed acceptance** (`hf_budgetdraft.eval.replay`, a benchmark tool): per survival trace of the
+  bundled pair (`benchmarks/results/gpu/survival_traces.json`, the 16K trace beyond 16K, named so) and
+  BudgetDraft's published acceptance. The device round's own record: what ran (compiled verification and draft
+  step, graphs, recompilations), synchronisations a round (`torch.cuda.set_sync_debug_mode`), and a round's wall
+  time against the CUDA-event time of its forwards.
 - `long`: 128K, (b) against (d) only, the same way.
 - `real` (`gpu_round_real.py`): the bundled pair on the device, every path, fp32 (TF32 off) and bf16 greedy diffs;
   the one-liner against (b) at 8K with a round's host time.

@@ -14,6 +14,7 @@ import gpu_cost_curves
 import torch
 import transformers
 from transformers import CompileConfig
+from transformers.generation.streamers import BaseStreamer
 
 import hf_budgetdraft
 from hf_budgetdraft import record_speculation
@@ -76,17 +77,36 @@ def _timed(target, prompt, new_tokens: int, kwargs: dict) -> tuple[float, torch.
     return seconds, out, stats
 
 
+class FirstTokens(BaseStreamer):
+    """A streamer that notes when a call's first generated tokens reach the host, and how many: `generate()` puts
+    the prompt, then each loop its tokens through a synchronising `.cpu()` (transformers' loops and the device
+    round alike), so the second `put` marks the end of the prefill and the first token."""
+
+    def __init__(self):
+        self.puts, self.at, self.tokens = 0, None, 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at, self.tokens = time.perf_counter(), value.numel()
+
+    def end(self) -> None:
+        pass
+
+
 def decode_rate(target, prompt, new_tokens: int, kwargs: dict, replay: ReplayedAcceptance | None, seed: int):
-    """`(decode tokens/s after the first token, output, stats)`: `(N - 1) / (t(N) - t(1))`, replayed if asked."""
-    times, result = [], None
-    for count in (1, new_tokens):
-        if replay is not None:
-            replay.reseed(seed)
-        with replay.installed() if replay is not None else contextlib.nullcontext():
-            seconds, out, stats = _timed(target, prompt, count, kwargs)
-        times.append(seconds)
-        result = (out, stats)
-    return (new_tokens - 1) / max(times[1] - times[0], 1e-9), *result
+    """`(decode tokens/s after the first streamed tokens, output, stats)`, replayed if asked: one call, timed from
+    its first token (stock assisted generation streams its whole first round, prefill included, so its rate starts
+    after that round) to its end. A difference of two calls, t(N) - t(1), would subtract two prefills that dwarf
+    the decoding at 128K and double the device time."""
+    if replay is not None:
+        replay.reseed(seed)
+    clock = FirstTokens()
+    with replay.installed() if replay is not None else contextlib.nullcontext():
+        _, out, stats = _timed(target, prompt, new_tokens, {**kwargs, "streamer": clock})
+        ended = time.perf_counter()
+    after_first = out.shape[1] - prompt.shape[1] - clock.tokens
+    return after_first / max(ended - clock.at, 1e-9), out, stats
 
 
 def row_calls(target, drafter, sizes: dict, full: bool) -> dict:
@@ -158,8 +178,9 @@ def compare(report, target, drafter, prompt, sizes: dict, traces: dict, full: bo
     for name, (kwargs, replayed) in calls.items():  # the warm pass: compilations and captures, timed apart
         # replayed rows warm with the rounds they will time (a stock loop compiles each verification length)
         with warm_replay.installed() if replayed else contextlib.nullcontext():
-            cold, _, _ = _timed(target, prompt, sizes["new_tokens"], kwargs)
-            warm, _, _ = _timed(target, prompt, sizes["new_tokens"], kwargs)
+            streamed = {**kwargs, "streamer": FirstTokens()}  # as the timed calls run
+            cold, _, _ = _timed(target, prompt, sizes["new_tokens"], streamed)
+            warm, _, _ = _timed(target, prompt, sizes["new_tokens"], streamed)
         compile_seconds[name] = round(cold - warm, 3)
     rates = {}
     for repeat in range(sizes["repeats"]):

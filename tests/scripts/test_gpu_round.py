@@ -4,11 +4,15 @@ The GPU figures cannot be made here; this proves the prepared run goes end to en
 the commit in every JSON, the rows (a) ... (d0) with replayed acceptance per trace, the device round's record of
 what ran, and the bundled pair's identity on every path."""
 
+import importlib
 import json
 import subprocess
 import sys
 
+import pytest
+import torch
 from repo_paths import SCRIPTS
+from tiny_models import model_pair, random_prompt
 from torch_support import needs_traceable_transformers
 
 SCRIPT = SCRIPTS / "gpu_round.py"
@@ -64,3 +68,31 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
         assert paths["transformers_loop_static"]["runtime"]["loop"] == "transformers"
         assert "oneliner_policy_dynamic" in paths
     assert real["speed"]["runtime"]["loop"] == "device_round" and real["speed"]["d_over_b"] > 0
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    return importlib.import_module("gpu_round_rows")
+
+
+@pytest.mark.parametrize("assisted", [False, True], ids=["plain", "stock_assisted"])
+def test_decode_rate_times_one_call_from_its_first_streamed_tokens(rows, assisted, monkeypatch):
+    clocks = []
+
+    class Recorded(rows.FirstTokens):
+        def __init__(self):
+            super().__init__()
+            clocks.append(self)
+
+    monkeypatch.setattr(rows, "FirstTokens", Recorded)
+    target, drafter = model_pair("llama")  # the drafter proposes 3 tokens a round
+    prompt = random_prompt(24)
+    kwargs = {"assistant_model": drafter} if assisted else {}
+    rate, out, _ = rows.decode_rate(target, prompt, 12, kwargs, None, 0)
+    (clock,) = clocks
+    # the prompt's put, then the first token (a plain loop) or the first round's tokens (stock assisted)
+    assert clock.puts >= 2 and clock.at is not None
+    assert clock.tokens == 1 if not assisted else 1 <= clock.tokens <= 4
+    assert rate > 0 and out.shape[1] == 24 + 12
+    assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=12))
