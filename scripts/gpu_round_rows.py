@@ -112,8 +112,8 @@ def decode_rate(target, prompt, new_tokens: int, kwargs: dict, replay: ReplayedA
 def row_calls(target, drafter, sizes: dict, full: bool) -> dict:
     """name -> (generate() kwargs, replayed?): (a) ... (d0); `full=False`: (b) and (d) only."""
     one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
-    if sizes.get("force_round"):  # the CPU smoke: the device round is a CUDA rule; compiled without inductor
-        one_liner["cache_config"] = {"device_round": True, "compile_verify": True}
+    if sizes.get("force_round"):  # the CPU smoke: the device round and its compiled steps are CUDA rules
+        one_liner["cache_config"] = {"device_round": True, "compile_verify": True, "compile": True}
         one_liner["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
     calls = {
         "b_static_compiled": ({"cache_implementation": "static"}, False),
@@ -301,6 +301,7 @@ def device_round_record(target, prompt, sizes: dict, kwargs: dict, judged: dict,
         _, _, stats = _timed(target, prompt, sizes["new_tokens"], kwargs)
     record = {
         "rounds": stats.rounds,
+        "drafting_rounds": sum(1 for proposed in stats.proposed_per_round if proposed),
         **spans.summary(stats),
         "runtime": stats.runtime,
         "synchronisations_per_round": synchronisations(target, prompt, sizes, kwargs, replay),
@@ -335,10 +336,17 @@ def judge(report, result: dict, name: str, goal: float | None) -> None:
     verify, draft = runtime.get("verify") or {}, runtime.get("draft_step") or {}
     on_gpu = result["device"] == "cuda"
     report.check(f"{name}.device_round_ran", runtime.get("loop") == "device_round", runtime)
+    # both compiled steps ran, not only were planned (a call that never drafted runs no draft step)
+    draft_ran = draft.get("compiled") and (
+        draft.get("compiled_calls", 0) > 0 or not record["drafting_rounds"]
+    )
     report.check(
         f"{name}.compiled_ran",
-        verify.get("compiled_calls", 0) > 0 and not verify.get("failure") and not draft.get("failure"),
-        {"verify": verify, "draft_step": draft},
+        verify.get("compiled_calls", 0) > 0
+        and not verify.get("failure")
+        and draft_ran
+        and not draft.get("failure"),
+        {"verify": verify, "draft_step": draft, "drafting_rounds": record["drafting_rounds"]},
     )
     warm = [
         r.get("verify") or {} for r in result["runtime"].values() if (r or {}).get("loop") == "device_round"
