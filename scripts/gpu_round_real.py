@@ -127,7 +127,7 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
     one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
     if smoke:
         one_liner.update(
-            cache_config={"device_round": True, "compile_verify": True},
+            cache_config={"device_round": True, "compile_verify": True, "compile": True},
             compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None),
         )
     calls = {"b_static_compiled": {"cache_implementation": "static"}, "d_oneliner": one_liner}
@@ -152,6 +152,8 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
         "runtime": stats.runtime,
     }
     report.check("real.speed.device_round_ran", (stats.runtime or {}).get("loop") == "device_round", result)
+    drafting_rounds = sum(1 for proposed in stats.proposed_per_round if proposed)
+    report.check("real.speed.compiled_ran", rows.compiled_steps_ran(stats.runtime or {}, drafting_rounds))
     return result
 
 

@@ -329,24 +329,29 @@ def synchronisations(target, prompt, sizes: dict, kwargs: dict, replay) -> float
     return (s2 - s1) / max(r2 - r1, 1)
 
 
+def compiled_steps_ran(runtime: dict, drafting_rounds: int) -> bool:
+    """Both compiled steps of a device-round call ran, not only were planned, and neither failed: the verification,
+    and the draft step wherever the call drafted (a call that never drafted runs no draft step)."""
+    verify, draft = runtime.get("verify") or {}, runtime.get("draft_step") or {}
+    draft_ran = draft.get("compiled") and (draft.get("compiled_calls", 0) > 0 or not drafting_rounds)
+    return bool(
+        verify.get("compiled_calls", 0) > 0
+        and draft_ran
+        and not verify.get("failure")
+        and not draft.get("failure")
+    )
+
+
 def judge(report, result: dict, name: str, goal: float | None) -> None:
     """The device round's must-holds as checks; the speed goals reported in `result["goals"]`."""
     record = result["round"]
     runtime = record["runtime"] or {}
-    verify, draft = runtime.get("verify") or {}, runtime.get("draft_step") or {}
     on_gpu = result["device"] == "cuda"
     report.check(f"{name}.device_round_ran", runtime.get("loop") == "device_round", runtime)
-    # both compiled steps ran, not only were planned (a call that never drafted runs no draft step)
-    draft_ran = draft.get("compiled") and (
-        draft.get("compiled_calls", 0) > 0 or not record["drafting_rounds"]
-    )
     report.check(
         f"{name}.compiled_ran",
-        verify.get("compiled_calls", 0) > 0
-        and not verify.get("failure")
-        and draft_ran
-        and not draft.get("failure"),
-        {"verify": verify, "draft_step": draft, "drafting_rounds": record["drafting_rounds"]},
+        compiled_steps_ran(runtime, record["drafting_rounds"]),
+        {**runtime, "drafting_rounds": record["drafting_rounds"]},
     )
     warm = [
         r.get("verify") or {} for r in result["runtime"].values() if (r or {}).get("loop") == "device_round"

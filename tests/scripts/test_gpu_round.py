@@ -96,3 +96,17 @@ def test_decode_rate_times_one_call_from_its_first_streamed_tokens(rows, assiste
     assert clock.tokens == 1 if not assisted else 1 <= clock.tokens <= 4
     assert rate > 0 and out.shape[1] == 24 + 12
     assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=12))
+
+
+def test_compiled_ran_needs_both_steps_to_have_run_not_only_planned(rows):
+    verify = {"compiled_calls": 9, "failure": None}
+    draft = {"compiled": True, "compiled_calls": 3, "failure": None}
+    assert rows.compiled_steps_ran({"verify": verify, "draft_step": draft}, drafting_rounds=3)
+    planned_only = {**draft, "compiled_calls": 0}
+    assert not rows.compiled_steps_ran({"verify": verify, "draft_step": planned_only}, drafting_rounds=3)
+    assert rows.compiled_steps_ran({"verify": verify, "draft_step": planned_only}, drafting_rounds=0)
+    eager_draft = {"compiled": False, "compiled_calls": 0, "failure": None}
+    assert not rows.compiled_steps_ran({"verify": verify, "draft_step": eager_draft}, drafting_rounds=3)
+    fell_back = {**draft, "failure": "NameError: ..."}
+    assert not rows.compiled_steps_ran({"verify": verify, "draft_step": fell_back}, drafting_rounds=3)
+    assert not rows.compiled_steps_ran({"verify": {**verify, "compiled_calls": 0}, "draft_step": draft}, 3)
