@@ -13,7 +13,6 @@ import statistics
 
 import gpu_round_rows as rows
 import torch
-from transformers import CompileConfig
 
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.demo import load_demo_models
@@ -47,7 +46,7 @@ def _prompts(tokenizer, context: int, device) -> tuple[torch.Tensor, list[torch.
 
 def _call(target, drafter, ids, new_tokens, cache, cache_config, smoke: bool, **kwargs):
     if smoke and cache_config.get("device_round") is not False:  # CPU: compile without inductor
-        kwargs["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+        kwargs["compile_config"] = rows.smoke_one_liner()["compile_config"]
     with record_speculation() as stats:
         out = target.generate(
             ids,
@@ -126,10 +125,7 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
     ids, _ = _prompts(demo.tokenizer, sizes["context"], device)
     one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
     if smoke:
-        one_liner.update(
-            cache_config={"device_round": True, "compile_verify": True, "compile": True},
-            compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None),
-        )
+        one_liner.update(rows.smoke_one_liner())
     calls = {"b_static_compiled": {"cache_implementation": "static"}, "d_oneliner": one_liner}
     for kwargs in calls.values():  # warm: compilations and captures
         rows.decode_rate(target, ids, sizes["new_tokens"], kwargs, None, 0)
@@ -152,7 +148,7 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
         "runtime": stats.runtime,
     }
     report.check("real.speed.device_round_ran", (stats.runtime or {}).get("loop") == "device_round", result)
-    drafting_rounds = sum(1 for proposed in stats.proposed_per_round if proposed)
+    drafting_rounds = stats.rounds - stats.ar_rounds
     report.check("real.speed.compiled_ran", rows.compiled_steps_ran(stats.runtime or {}, drafting_rounds))
     return result
 

@@ -29,6 +29,15 @@ from hf_budgetdraft.runs.token_diff import divergence_margin, tie_tolerance
 MAX_REANCHORS = 3  # re-anchorings of the reference per row and trace before the row is reported diverged
 
 
+def smoke_one_liner() -> dict:
+    """The CPU smoke's one-liner settings, fresh each call: the device round and its compiled steps are CUDA rules,
+    forced here, compiled without inductor."""
+    return {
+        "cache_config": {"device_round": True, "compile_verify": True, "compile": True},
+        "compile_config": CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None),
+    }
+
+
 def environment(device: torch.device) -> dict:
     info = {
         "torch": torch.__version__,
@@ -112,9 +121,8 @@ def decode_rate(target, prompt, new_tokens: int, kwargs: dict, replay: ReplayedA
 def row_calls(target, drafter, sizes: dict, full: bool) -> dict:
     """name -> (generate() kwargs, replayed?): (a) ... (d0); `full=False`: (b) and (d) only."""
     one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
-    if sizes.get("force_round"):  # the CPU smoke: the device round and its compiled steps are CUDA rules
-        one_liner["cache_config"] = {"device_round": True, "compile_verify": True, "compile": True}
-        one_liner["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    if sizes.get("force_round"):
+        one_liner.update(smoke_one_liner())
     calls = {
         "b_static_compiled": ({"cache_implementation": "static"}, False),
         "d_oneliner": (one_liner, True),
@@ -301,7 +309,7 @@ def device_round_record(target, prompt, sizes: dict, kwargs: dict, judged: dict,
         _, _, stats = _timed(target, prompt, sizes["new_tokens"], kwargs)
     record = {
         "rounds": stats.rounds,
-        "drafting_rounds": sum(1 for proposed in stats.proposed_per_round if proposed),
+        "drafting_rounds": stats.rounds - stats.ar_rounds,
         **spans.summary(stats),
         "runtime": stats.runtime,
         "synchronisations_per_round": synchronisations(target, prompt, sizes, kwargs, replay),
