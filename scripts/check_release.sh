@@ -30,4 +30,4 @@ fi
 installed="$("$venv/bin/python" -c "import $package; print($package.__version__.split('+')[0])")"
 [ "$installed" = "$version" ] || { echo "expected $package $version in $venv, found $installed" >&2; exit 1; }
 echo "$package $installed: ${tests[*]}"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"
+"$venv/bin/python" -m pytest -q -n auto -p no:cacheprovider "${tests[@]}"

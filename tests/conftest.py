@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # `pytest -n auto`: a worker per core, so one thread each, and the same for the scripts tests start (two
+    # processes with 2 OpenMP threads each on 2 cores spin-wait on each other)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))
 
 
