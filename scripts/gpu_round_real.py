@@ -98,31 +98,24 @@ def _batch(report, target, drafter, batch_rows, sizes, dtype_name, tolerance) ->
     return result
 
 
-def identity(report, device, smoke: bool, sizes: dict) -> dict:
+def identity(report, target, drafter, tokenizer, dtype_name: str, smoke: bool, sizes: dict) -> dict:
+    """Every path and the batch of 4 against the target's own greedy output, in one dtype."""
+    ids, batch_rows = _prompts(tokenizer, sizes["context"], target.device)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
+    tolerance = FP32_MARGIN if dtype_name == "float32" else BF16_MARGIN
     result = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).removeprefix("torch.")
-        demo = load_demo_models(dtype)
-        target, drafter = demo.target.to(device), demo.drafter.to(device)
-        ids, batch_rows = _prompts(demo.tokenizer, sizes["context"], device)
-        reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
-        tolerance = FP32_MARGIN if dtype == torch.float32 else BF16_MARGIN
-        result[name] = {}
-        for path, (cache, cache_config) in PATHS.items():
-            out, stats = _call(target, drafter, ids, sizes["new_tokens"], cache, cache_config, smoke)
-            row = _judge(report, target, ids, f"real.{name}.{path}", out, reference, tolerance)
-            row.update(runtime=stats.runtime, tokens_a_round=stats.mean_accepted_length)
-            result[name][path] = row
-        result[name]["batch_of_4"] = _batch(report, target, drafter, batch_rows, sizes, name, tolerance)
-        del demo, target, drafter
+    for path, (cache, cache_config) in PATHS.items():
+        out, stats = _call(target, drafter, ids, sizes["new_tokens"], cache, cache_config, smoke)
+        row = _judge(report, target, ids, f"real.{dtype_name}.{path}", out, reference, tolerance)
+        row.update(runtime=stats.runtime, tokens_a_round=stats.mean_accepted_length)
+        result[path] = row
+    result["batch_of_4"] = _batch(report, target, drafter, batch_rows, sizes, dtype_name, tolerance)
     return result
 
 
-def speed(report, device, smoke: bool, sizes: dict) -> dict:
-    """The one-liner against (b) at 8K in bf16, paired repeats, and its exposed host ms a drafting round."""
-    demo = load_demo_models(torch.bfloat16)
-    target, drafter = demo.target.to(device), demo.drafter.to(device)
-    ids, _ = _prompts(demo.tokenizer, sizes["context"], device)
+def speed(report, target, drafter, tokenizer, smoke: bool, sizes: dict) -> dict:
+    """The one-liner against (b) at 8K, paired repeats, and its exposed host ms a drafting round."""
+    ids, _ = _prompts(tokenizer, sizes["context"], target.device)
     one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
     if smoke:
         one_liner.update(rows.smoke_one_liner())
@@ -133,7 +126,7 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
     for repeat in range(sizes["repeats"]):
         for name, kwargs in calls.items():
             rates[name].append(rows.decode_rate(target, ids, sizes["new_tokens"], kwargs, None, repeat)[0])
-    spans = rows.ForwardSpans(device)
+    spans = rows.ForwardSpans(target.device)
     with spans.installed(), record_speculation() as stats:
         target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"], **one_liner)
     ratio = statistics.median(
@@ -154,8 +147,16 @@ def speed(report, device, smoke: bool, sizes: dict) -> dict:
 
 
 def real(report, device: torch.device, smoke: bool) -> dict:
+    """Identity in fp32, then in bf16 and the speed rows on the same bf16 pair: its compiled graphs are reused."""
     sizes = SIZES["smoke" if smoke else "gpu"]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy must be exact: no TF32 matmuls
         torch.backends.cudnn.allow_tf32 = False
-    return {"identity": identity(report, device, smoke, sizes), "speed": speed(report, device, smoke, sizes)}
+    result = {"identity": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        demo = load_demo_models(dtype)
+        target, drafter = demo.target.to(device), demo.drafter.to(device)
+        result["identity"][name] = identity(report, target, drafter, demo.tokenizer, name, smoke, sizes)
+    result["speed"] = speed(report, target, drafter, demo.tokenizer, smoke, sizes)  # the bf16 pair
+    return result
