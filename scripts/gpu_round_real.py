@@ -98,9 +98,9 @@ def _batch(report, target, drafter, batch_rows, sizes, dtype_name, tolerance) ->
     return result
 
 
-def identity(report, target, drafter, tokenizer, dtype_name: str, smoke: bool, sizes: dict) -> dict:
-    """Every path and the batch of 4 against the target's own greedy output, in one dtype."""
-    ids, batch_rows = _prompts(tokenizer, sizes["context"], target.device)
+def identity(report, target, drafter, prompts, dtype_name: str, smoke: bool, sizes: dict) -> dict:
+    """Every path and the batch of 4 (`prompts`: `_prompts`' pair) against the target's own greedy output."""
+    ids, batch_rows = prompts
     reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
     tolerance = FP32_MARGIN if dtype_name == "float32" else BF16_MARGIN
     result = {}
@@ -113,9 +113,8 @@ def identity(report, target, drafter, tokenizer, dtype_name: str, smoke: bool, s
     return result
 
 
-def speed(report, target, drafter, tokenizer, smoke: bool, sizes: dict) -> dict:
+def speed(report, target, drafter, ids, smoke: bool, sizes: dict) -> dict:
     """The one-liner against (b) at 8K, paired repeats, and its exposed host ms a drafting round."""
-    ids, _ = _prompts(tokenizer, sizes["context"], target.device)
     one_liner = {"assistant_model": drafter, "cache_implementation": "budgeted"}
     if smoke:
         one_liner.update(rows.smoke_one_liner())
@@ -157,6 +156,7 @@ def real(report, device: torch.device, smoke: bool) -> dict:
         name = str(dtype).removeprefix("torch.")
         demo = load_demo_models(dtype)
         target, drafter = demo.target.to(device), demo.drafter.to(device)
-        result["identity"][name] = identity(report, target, drafter, demo.tokenizer, name, smoke, sizes)
-    result["speed"] = speed(report, target, drafter, demo.tokenizer, smoke, sizes)  # the bf16 pair
+        prompts = _prompts(demo.tokenizer, sizes["context"], device)
+        result["identity"][name] = identity(report, target, drafter, prompts, name, smoke, sizes)
+    result["speed"] = speed(report, target, drafter, prompts[0], smoke, sizes)  # the bf16 pair
     return result
