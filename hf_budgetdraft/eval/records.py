@@ -15,6 +15,7 @@ from ..runs.timed_call import AR_SETUPS, RunResult
 from ..runs.token_diff import divergence_margin, noise_envelope, token_diff
 from .bench_args import BenchArguments
 from .bench_models import BenchModels
+from .machine import machine
 from .runners import MethodSpec
 
 # a record's per-round lists (results.json holds them, results.csv leaves them out)
@@ -218,7 +219,7 @@ def bench_metadata(args: BenchArguments, models: BenchModels, specs: list[Method
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} logical CPUs",
+        "machine": machine(),
         "device": args.device,
         "cuda_device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
         "load_average_start": load_average(),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .aggregate import round_budget_rows
+from .machine import machine_text
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -119,12 +120,17 @@ def _header(metadata: dict) -> list[str]:
         f"- grid: contexts {args['contexts']}, budgets {args['budgets']}, γ {args['gammas']}{_draft_stop(args)}, policies "
         f"{args['policies']}, tasks {metadata.get('tasks', args['tasks'])}; {args['new_tokens']} new tokens, {args['samples']} sample(s) per "
         f"task and context, {args['repeats']} interleaved repeat(s){' after one warm-up pass' if args['warmup'] else ''}",
-        f"- machine: {metadata['machine']}; device {metadata['device']}, dtype {args['dtype']}; torch "
+        f"- machine: {_machine(metadata['machine'])}; device {metadata['device']}, dtype {args['dtype']}; torch "
         f"{metadata['torch']}, transformers {metadata['transformers']}; **torch threads {metadata['threads']}**",
         f"- load average (1/5/15 min) at start {metadata.get('load_average_start')}, at end "
         f"{metadata.get('load_average_end')}: timings on a busy machine are noisy; the intervals show how much.",
         "",
     ]
+
+
+def _machine(described) -> str:
+    """The machine line of a run's metadata: a `machine()` dict, or the plain text older results hold."""
+    return machine_text(described) if isinstance(described, dict) else str(described)
 
 
 def _sampling_note(metadata: dict) -> list[str]:
