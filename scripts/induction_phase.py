@@ -17,6 +17,7 @@ import time
 
 import far_target_data as data
 import torch
+import train_precision
 
 WINDOW = 20
 POOL_GROWTH = 4
@@ -87,10 +88,13 @@ class Induction:
         self.record["seconds"] = round(elapsed, 1)
 
 
-def train_step(model, optimizer, ids, mask, device) -> tuple[float, torch.Tensor]:
-    """One step on `ids (B, L + 1)` scored where `mask (B, L)` says; `(loss, per-row losses (B,))`."""
+def train_step(
+    model, optimizer, ids, mask, device, autocast: torch.dtype | None
+) -> tuple[float, torch.Tensor]:
+    """One step on `ids (B, L + 1)` scored where `mask (B, L)` says, under `autocast` (`train_precision`: a dtype,
+    or `None` for float32); `(loss, per-row losses (B,))`."""
     ids, mask = ids.to(device), mask.to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    with train_precision.autocast(device, autocast):
         logits = model(input_ids=ids[:, :-1]).logits
     losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")
     rows = (losses * mask).sum(1) / mask.sum(1).clamp(min=1)  # every row weighs the same
@@ -103,7 +107,8 @@ def train_step(model, optimizer, ids, mask, device) -> tuple[float, torch.Tensor
 
 
 def induce(model, optimizer, rows: data.Rows, args, device, log) -> dict:
-    """Train `model` on `repeat` rows until copying formed or the cap passed (a cap of 0: no step); `log(record)`
+    """Train `model` on `repeat` rows, under `args.autocast` (the script's resolved `--precision`), until copying
+    formed or the cap passed (a cap of 0: no step); `log(record)`
     every `--log-every` steps (`step, seconds, phase, repeat_pool, length, loss, by_kind, tokens`). Returns the
     phase's record."""
     induction, cap = Induction(args, rows), args.induction_minutes * 60
@@ -116,7 +121,7 @@ def induce(model, optimizer, rows: data.Rows, args, device, log) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_warmup(elapsed / cap, args.lr)
         ids, mask, _ = rows.batch(args.induction_rows, args.induction_length, REPEAT_ONLY)
-        loss, _ = train_step(model, optimizer, ids, mask, device)
+        loss, _ = train_step(model, optimizer, ids, mask, device, args.autocast)
         tokens += ids.numel()
         pool = rows.repeat_pool
         induction.observe(loss, elapsed)

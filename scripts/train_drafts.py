@@ -10,7 +10,8 @@
 
 Both read the target's training mix (text, passkeys, repeated spans) with PoSE position skips, so both see long
 relative distances while sequences stay short. Making the drafter robust to sparse caches is the BudgetDraft
-trainer's job (`hf-budgetdraft train`). Resumable: `--resume`. Runs on CUDA when there is one (bf16 autocast).
+trainer's job (`hf-budgetdraft train`). Resumable: `--resume`. Runs on CUDA when there is one (bf16 autocast; on
+CPU, bf16 only where the CPU runs it faster than float32: `--precision`).
 
 For a target that copies (`train_far_target.py`), `--induction-minutes M` first trains the drafter alone on the
 induction phase's `repeat` rows (`induction_phase.py`, rows from `--far-data`): distillation alone leaves a small
@@ -32,6 +33,7 @@ import far_target_data
 import induction_phase
 import torch
 import torch.nn.functional as F
+import train_precision
 from train_target import MTP_MOE, Sampler, lr_at
 from transformers import AutoTokenizer, Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -131,6 +133,7 @@ def parse_args() -> argparse.Namespace:
     )
     induction_phase.add_arguments(parser, minutes=0.0)
     parser.add_argument("--log-every", type=int, default=50, help="steps between induction-phase log lines")
+    train_precision.add_argument(parser)
     args = parser.parse_args()
     induction_phase.check_arguments(parser, args)
     if args.minutes < 0:
@@ -144,15 +147,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def distill_step(
-    target, drafter, mtp, ids, positions, optimizer, parameters
+    target, drafter, mtp, ids, positions, optimizer, parameters, autocast: torch.dtype | None
 ) -> tuple[float, float, float, float]:
     """One optimizer step of the drafter and the MTP layer towards the target's distribution at every position of
-    `ids` `(B, L)`; `(drafter KL, MTP KL, drafter top-1 agreement, MTP top-1 agreement)`."""
+    `ids` `(B, L)`, under `autocast` (`train_precision`: a dtype, or `None` for float32); `(drafter KL, MTP KL,
+    drafter top-1 agreement, MTP top-1 agreement)`."""
     mask = torch.ones_like(ids)
-    with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16):
+    with torch.no_grad(), train_precision.autocast(ids.device, autocast):
         out = target(input_ids=ids, position_ids=positions, attention_mask=mask, output_hidden_states=True)
     teacher, hidden = out.logits, out.hidden_states[-1]
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+    with train_precision.autocast(ids.device, autocast):
         draft = drafter(input_ids=ids, position_ids=positions, attention_mask=mask).logits
         mtp_draft = mtp_logits(mtp, ids[:, 1:], hidden[:, :-1], positions[:, 1:])
     drafter_loss, mtp_loss = kl(draft, teacher), kl(mtp_draft, teacher[:, 1:])
@@ -246,6 +250,8 @@ def main() -> None:
         flush=True,
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.autocast = train_precision.autocast_dtype(device, args.precision)
+    print(f"training in {train_precision.describe(args.autocast)} on {device}", flush=True)
     for model in (target, drafter, mtp):
         model.to(device)
     parameters = list(drafter.parameters()) + list(mtp.layers.parameters())
@@ -279,7 +285,9 @@ def main() -> None:
         ids, positions = torch.tensor(rows)[:, :-1].to(device), torch.tensor(row_positions)[:, :-1].to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(scheduled_step(step, time.time() - started, args), args)
-        history.append(distill_step(target, drafter, mtp, ids, positions, optimizer, parameters))
+        history.append(
+            distill_step(target, drafter, mtp, ids, positions, optimizer, parameters, args.autocast)
+        )
         step += 1
         if step % 20 == 0:
             means = [round(sum(column) / len(column), 4) for column in zip(*history, strict=True)]

@@ -21,8 +21,8 @@ rows of 2K, `benchmarks/results/far_target/`).
 
 Model: the bundled target's family (`train_target.target_config`: GLM-4 dense layers, partial RoPE with base 1e4
 on half of each head, one MTP layer slot), wider and deeper (`--hidden`, `--layers`; ~17M parameters by default).
-AdamW, warm-up then cosine over the time budget (not a step count), bf16 autocast, every row weighing the same in
-the loss, seeded. Writes `<out>/model` (`save_pretrained`, safetensors shards of at most 15 MB: what the device
+AdamW, warm-up then cosine over the time budget (not a step count), bf16 autocast (`--precision`: float32 on a CPU
+without bf16 units, `train_precision.py`), every row weighing the same in the loss, seeded. Writes `<out>/model` (`save_pretrained`, safetensors shards of at most 15 MB: what the device
 tool brings back) every `--save-minutes` and at the end, `<out>/log.jsonl` and `<out>/summary.json` (with the
 steps each induction pool took); `--init` continues from the main model's weights alone (an optimizer's state does
 not travel back; an MTP layer of the weights is not loaded, so it is distilled again afterwards). The held-out
@@ -46,6 +46,7 @@ from transformers import AutoTokenizer, Glm4MoeForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import far_target_data as data  # noqa: E402
 import induction_phase  # noqa: E402
+import train_precision  # noqa: E402
 from train_target import target_config  # noqa: E402
 
 SMOKE = dict(
@@ -93,6 +94,8 @@ def save(model, tokenizer, out: Path) -> None:
 def train(args) -> dict:
     torch.manual_seed(args.seed)
     device = torch.device("cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda")
+    args.autocast = train_precision.autocast_dtype(device, args.precision)
+    print(f"training in {train_precision.describe(args.autocast)} on {device}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(data.TOKENIZER, local_files_only=True)
     longest = max(int(part.split(":")[1]) for part in args.lengths.split(","))
     if args.init:
@@ -129,7 +132,7 @@ def train(args) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         ids, mask, kinds = rows.batch(rows_per_step, length, args.mix_weights)
-        loss, per_row = induction_phase.train_step(model, optimizer, ids, mask, device)
+        loss, per_row = induction_phase.train_step(model, optimizer, ids, mask, device, args.autocast)
         step, tokens = step + 1, tokens + ids.numel()
         if step % args.log_every == 0:
             by_kind = {
@@ -189,6 +192,7 @@ def parse(argv=None):
     run.add_argument("--mix", default="4/4/2/1", help="weights of the row kinds text/copy/fact/repeat")
     induction_phase.add_arguments(run, minutes=2.0)
     run.add_argument("--lr", type=float, default=2e-3)
+    train_precision.add_argument(run)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--log-every", type=int, default=10)
     run.add_argument("--save-minutes", type=float, default=2.0)

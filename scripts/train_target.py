@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import train_precision
 from transformers import AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM
 
 from hf_budgetdraft.demo.tasks import passkey_sample
@@ -236,6 +237,7 @@ def parse_args() -> argparse.Namespace:
         help="from-step:row-length pairs (4,096 tokens a step)",
     )
     parser.add_argument("--resume", action="store_true")
+    train_precision.add_argument(parser)
     parser.add_argument(
         "--qk-norm",
         action="store_true",
@@ -244,9 +246,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def train_step(model, optimizer, ids, positions, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on rows `ids` `(B, L + 1)` scored where `mask` `(B, L)` says; `(loss, per-row losses (B,))`."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def train_step(model, optimizer, ids, positions, mask, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on rows `ids` `(B, L + 1)` scored where `mask` `(B, L)` says, under `autocast`
+    (`train_precision`: a dtype, or `None` for float32); `(loss, per-row losses (B,))`."""
+    with train_precision.autocast(torch.device("cpu"), autocast):
         logits = model(
             input_ids=ids[:, :-1],
             position_ids=positions[:, :-1],
@@ -298,7 +301,12 @@ def main() -> None:
         model = Glm4MoeForCausalLM(target_config(tokenizer, args.max_position, qk_norm=args.qk_norm))
         state = None
     model.train()
-    print(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
+    autocast = train_precision.autocast_dtype(torch.device("cpu"), args.precision)
+    print(
+        f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"training in {train_precision.describe(autocast)}",
+        flush=True,
+    )
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -330,7 +338,7 @@ def main() -> None:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        loss, row_losses = train_step(model, optimizer, ids, positions, mask)
+        loss, row_losses = train_step(model, optimizer, ids, positions, mask, autocast)
         for kind, row_loss in zip(kinds, row_losses.tolist(), strict=True):
             kind_losses.setdefault(kind, []).append(row_loss)
         step += 1

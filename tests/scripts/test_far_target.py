@@ -140,7 +140,7 @@ def test_the_induction_phase_trains_a_drafter_and_logs_its_steps(tokenizer, monk
     before = [p.detach().clone() for p in drafter.parameters()]
     monkeypatch.setattr(sys, "argv", ["train_drafts.py", "--target", "t", "--induction-minutes", "0.01"])
     args = train_drafts.parse_args()
-    args.induction_rows, args.log_every = 4, 1
+    args.induction_rows, args.log_every, args.autocast = 4, 1, None
     rows = data.Rows(tokenizer, torch.arange(300).repeat(2), seed=0)
     records = []
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr)
