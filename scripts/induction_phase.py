@@ -108,9 +108,8 @@ def train_step(
 
 def induce(model, optimizer, rows: data.Rows, args, device, log) -> dict:
     """Train `model` on `repeat` rows, under `args.autocast` (the script's resolved `--precision`), until copying
-    formed or the cap passed (a cap of 0: no step); `log(record)`
-    every `--log-every` steps (`step, seconds, phase, repeat_pool, length, loss, by_kind, tokens`). Returns the
-    phase's record."""
+    formed or the cap passed (a cap of 0: no step); `log(record)` every `--log-every` steps (`step, seconds, phase,
+    repeat_pool, length, loss, by_kind, tokens`). Returns the phase's record."""
     induction, cap = Induction(args, rows), args.induction_minutes * 60
     start, tokens = time.perf_counter(), 0
     while not induction.done:

@@ -19,15 +19,15 @@ first, then long ones, where copying must reach far. The longest rows (16K) outr
 goals ask for (8K, plus the passage): copying holds to about the trained row length and not beyond (a CPU run at
 rows of 2K, `benchmarks/results/far_target/`).
 
-Model: the bundled target's family (`train_target.target_config`: GLM-4 dense layers, partial RoPE with base 1e4
-on half of each head, one MTP layer slot), wider and deeper (`--hidden`, `--layers`; ~17M parameters by default).
+Model: the bundled target's family (`train_target.target_config`: GLM-4 dense layers, partial RoPE with base 1e4 on
+half of each head, one MTP layer slot), wider and deeper (`--hidden`, `--layers`; ~17M parameters by default).
 AdamW, warm-up then cosine over the time budget (not a step count), bf16 autocast (`--precision`: float32 on a CPU
-without bf16 units, `train_precision.py`), every row weighing the same in the loss, seeded. Writes `<out>/model` (`save_pretrained`, safetensors shards of at most 15 MB: what the device
-tool brings back) every `--save-minutes` and at the end, `<out>/log.jsonl` and `<out>/summary.json` (with the
-steps each induction pool took); `--init` continues from the main model's weights alone (an optimizer's state does
-not travel back; an MTP layer of the weights is not loaded, so it is distilled again afterwards). The held-out
-measurements (copy by distance, retrieval in untrained formats, perplexity) run on CPU afterwards
-(`benchmarks/far_context_skill.py`).
+without bf16 units, `train_precision.py`), every row weighing the same in the loss, seeded. Writes `<out>/model`
+(`save_pretrained`, safetensors shards of at most 15 MB: what the device tool brings back) every `--save-minutes`
+and at the end, `<out>/log.jsonl` and `<out>/summary.json` (with the steps each induction pool took); `--init`
+continues from the main model's weights alone (an optimizer's state does not travel back; an MTP layer of the
+weights is not loaded, so it is distilled again afterwards). The held-out measurements (copy by distance, retrieval
+in untrained formats, perplexity) run on CPU afterwards (`benchmarks/far_context_skill.py`).
 """
 
 from __future__ import annotations

@@ -246,7 +246,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def train_step(model, optimizer, ids, positions, mask, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model, optimizer, ids, positions, mask, autocast: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on rows `ids` `(B, L + 1)` scored where `mask` `(B, L)` says, under `autocast`
     (`train_precision`: a dtype, or `None` for float32); `(loss, per-row losses (B,))`."""
     with train_precision.autocast(torch.device("cpu"), autocast):
