@@ -14,26 +14,26 @@ from pathlib import Path
 import torch
 
 
+def _cpuinfo_field(name: str) -> str | None:
+    """The value of `/proc/cpuinfo`'s first `name` line (Linux), or `None` where there is none."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return None
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        if line.startswith(name):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def cpu_model() -> str:
     """The CPU's model name (`/proc/cpuinfo` on Linux, else what `platform` says; `"unknown"` if neither)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+    return _cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def cpu_flags() -> list[str]:
     """The CPU's bfloat16 and matrix units among its `/proc/cpuinfo` flags (Linux; empty elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return []
-    for line in cpuinfo.read_text(errors="replace").splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return sorted(flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"})
-    return []
+    flags = set((_cpuinfo_field("flags") or "").split())
+    return sorted(flags & {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"})
 
 
 def machine() -> dict:
@@ -49,9 +49,8 @@ def machine() -> dict:
     }
 
 
-def machine_text(description: dict | None = None) -> str:
-    """One line for a table's header: `"AMD EPYC ... (AVX2), 2 logical CPUs"`."""
-    described = description or machine()
+def machine_text(described: dict) -> str:
+    """One line for a table's header from a `machine()` dict: `"AMD EPYC ... (AVX2), 2 logical CPUs"`."""
     return f"{described['cpu']} ({described['cpu_capability']}), {described['logical_cpus']} logical CPUs"
 
 
