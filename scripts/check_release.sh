@@ -22,10 +22,28 @@ case "$package" in
   *) echo "$usage (got '$package')" >&2; exit 2 ;;
 esac
 if [ "$#" -gt 0 ]; then tests=("$@"); fi
-venv="${RELEASE_VENV_DIR:-.venv-releases}/${package}-${version}"
+# Room for the install, downloads included: a torch release from PyPI is about 3 GB of downloads and 5 GB installed.
+# Where the asked-for folder's disk is short, the environment goes to /dev/shm (memory-backed) for this run only.
+case "$package" in torch) need_mb=9000 ;; *) need_mb=1500 ;; esac
+free_mb() { mkdir -p "$1" && df -Pm "$1" | awk 'NR == 2 {print $4}'; }
+root="${RELEASE_VENV_DIR:-.venv-releases}"
+if [ ! -x "$root/${package}-${version}/bin/python" ] && [ "$(free_mb "$root")" -lt "$need_mb" ]; then
+  if [ "$(free_mb /dev/shm 2>/dev/null || echo 0)" -ge "$need_mb" ]; then
+    echo "$root has $(free_mb "$root") MB free, $package $version needs about $need_mb MB: installing in /dev/shm" >&2
+    root="$(mktemp -d /dev/shm/check-release.XXXXXX)"
+    trap 'rm -rf "$root"' EXIT
+  else
+    echo "error: $package $version needs about $need_mb MB to install; $root has $(free_mb "$root") MB free and" \
+      "/dev/shm $(free_mb /dev/shm 2>/dev/null || echo 0) MB. Free some space or set RELEASE_VENV_DIR." >&2
+    exit 1
+  fi
+fi
+venv="$root/${package}-${version}"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${package}==${version}"
+  # downloads go beside the environment and are not cached: a small disk holds them once, and only while installing
+  TMPDIR="$root" "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
+    "${package}==${version}"
 fi
 installed="$("$venv/bin/python" -c "import $package; print($package.__version__.split('+')[0])")"
 [ "$installed" = "$version" ] || { echo "expected $package $version in $venv, found $installed" >&2; exit 1; }
