@@ -18,7 +18,6 @@ import importlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,9 @@ from hf_budgetdraft.app.backend import RunRequest
 from hf_budgetdraft.app.backend.prompts import build_prompt
 from hf_budgetdraft.generation.spec import DraftSpec
 from hf_budgetdraft.runs.timed_call import timed_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 # the module, not the function of the same name the package exports
 compare_module = importlib.import_module("hf_budgetdraft.app.backend.compare")
@@ -139,14 +141,12 @@ def paired_row(page: str, repeat: int, refresh: float, app: dict, direct: dict) 
 def write(rows: list[dict], args) -> None:
     meta = {
         "command": "python benchmarks/app_overhead.py " + " ".join(sys.argv[1:]),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
+        **run_record(args.threads),
     }
     lines = [
         "# The app's decode rates against the same calls made directly (a browser attached)",
         "",
-        f"`{meta['command']}` — {args.threads} threads, run alone, {meta['date']}; demo pair, "
+        f"`{meta['command']}` — {args.threads} threads, run alone, {run_text(meta)}; demo pair, "
         f"{args.context_length}-token corpus document, {args.new_tokens} new tokens, the app's defaults "
         "(budgeted, adaptive γ, greedy). Medians of the paired repeats.",
         "",

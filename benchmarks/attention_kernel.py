@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -139,8 +142,8 @@ def markdown(summary: dict, args) -> list[str]:
         "",
         f"`_scaled_dot_product_flash_attention_for_cpu` over `(1, {args.kv_heads}, context, D)` fp32 keys/values, "
         f"medians of {args.repeats} interleaved calls; sgemm peak: {peak:.0f} GFLOPS ({args.gemm_size}³ fp32 "
-        f"matmul); {torch.get_num_threads()} torch threads, load average before/after "
-        f"{load_before[0]:.2f} / {summary['load_average_after'][0]:.2f} ({os.cpu_count()} CPUs). A verification "
+        f"matmul); {summary['threads']} torch threads, load average before/after "
+        f"{load_before[0]:.2f} / {summary['load_average_after'][0]:.2f}; {run_text(summary)}. A verification "
         "of q tokens reads G·q rows (G query heads per KV head), a one-token step G rows.",
     ]
     return lines
@@ -161,10 +164,7 @@ def main() -> None:
             fits.append(fit)
 
     summary = {
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "torch": torch.__version__,
+        **run_record(torch.get_num_threads()),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},

@@ -34,6 +34,9 @@ from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
 from hf_budgetdraft.eval.batched_bench import batched_grid, grid_markdown, summarise_grid
 from hf_budgetdraft.runs.batch_call import BATCH_METHODS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # part -> (contexts and their batch sizes, methods, new tokens, repeats, sampling)
@@ -85,13 +88,11 @@ def run_part(name: str, demo, stream: torch.LongTensor, threads: int, text_name:
         "command": " ".join(sys.argv),
         "part": name,
         "text": text_name,
-        "threads": threads,
+        **run_record(threads),
         "new_tokens": new_tokens,
         "repeats": repeats,
         "sampling": sampling,
         "stream_tokens": stream.numel(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
         "seconds": time.perf_counter() - began,
     }
     stem = f"batched_{name}" + ("" if text_name == "mixed" else f"_{text_name}")
@@ -100,7 +101,7 @@ def run_part(name: str, demo, stream: torch.LongTensor, threads: int, text_name:
     )
     title = (
         f"Batched decoding, {name}: bundled pair, held-out text ({text_name}), {threads} threads, {new_tokens} new tokens a row, "
-        f"{repeats} interleaved repeat(s){', sampling T=0.8' if sampling else ', greedy'}"
+        f"{repeats} interleaved repeat(s){', sampling T=0.8' if sampling else ', greedy'}; {run_text(meta)}"
     )
     (RESULTS / f"{stem}.md").write_text(grid_markdown(rows, title))
     print(grid_markdown(rows, title), flush=True)

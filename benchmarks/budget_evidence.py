@@ -60,7 +60,7 @@ from hf_budgetdraft.runs.intervals import wilson_interval
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_goals  # noqa: E402
 from one_liner_speed import paired_speeds, summarise_speeds  # noqa: E402
-from provenance import git_commit  # noqa: E402
+from provenance import run_record, run_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PASSAGE, LEAD = 128, 64  # a copy probe's passage, and the filler before its first sight
@@ -391,15 +391,9 @@ def main(argv=None) -> None:
         for (t, c, d, b), r in rows.items()
     ]
     command = "python benchmarks/budget_evidence.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {
-        "command": command,
-        "commit": git_commit(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "seconds": round(time.time() - started),
-    }
+    meta = {"command": command, **run_record(args.threads), "seconds": round(time.time() - started)}
     report = {"meta": meta, "results": results}
-    table = markdown(results, args, command)
+    table = markdown(results, args, meta)
     if roles is not None:
         report["goals"] = budget_goals.goals(results, roles, args.bootstrap_draws, args.goal_budgets)
         table += "\n" + budget_goals.markdown(report["goals"], roles)
@@ -417,12 +411,12 @@ def _number(value, digits: int = 2) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def markdown(results: list[dict], args, command: str) -> str:
+def markdown(results: list[dict], args, meta: dict) -> str:
     timed = any("speedup" in r for r in results)
     head = (
         "# Draft acceptance on tokens that need long context, per KV budget\n\n"
-        f"`{command}` — {args.prompts} prompts per task and "
-        f"context, {args.threads} threads, CPU fp32, torch {torch.__version__}, policy `{args.policy}`"
+        f"`{meta['command']}` — {args.prompts} prompts per task and "
+        f"context, {args.threads} threads, CPU fp32, {run_text(meta)}, policy `{args.policy}`"
         f"{f' {json.dumps(args.policy_kwargs)}' if args.policy_kwargs else ''}. "
         "`accepted` = answer tokens a round drafting the whole answer keeps, 95% bootstrap interval; `agreement` = "
         f"per answer token (Wilson 95%); `a round (γ={args.gamma})` = tokens a greedy round drafting {args.gamma} "

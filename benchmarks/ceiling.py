@@ -28,7 +28,6 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ from hf_budgetdraft.runs.timed_call import ar_setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_default import RESULTS, passage_offsets, texts  # noqa: E402
+from provenance import run_record, run_text  # noqa: E402
 from verify_cost import time_forward  # noqa: E402
 
 TEMPERATURE = 0.8
@@ -142,7 +142,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         "# The ceiling of any draft-length policy with the bundled drafters",
         "",
-        f"`{meta['command']}` — {meta['threads']} threads, run alone, torch {meta['torch']}, {meta['date']}. "
+        f"`{meta['command']}` — {meta['threads']} threads, run alone, {run_text(meta)}. "
         "Ceiling = max over γ of `(1 + sum S_k) · c_verify(1) / (c_verify(γ+1) + c_draft(γ))`, all measured in "
         "the same process (see the script's docstring); `free draft` = the same with drafting free; measured = "
         "the one-liner over fast AR in that process (median of the paired repeats).",
@@ -184,6 +184,7 @@ def main() -> None:
         raise ValueError(f"--max-gamma must be in 3..16, got {args.max_gamma}")
     torch.set_num_threads(args.threads)
     demo = load_demo_models()
+    meta = {"command": "python benchmarks/ceiling.py " + " ".join(sys.argv[1:]), **run_record(args.threads)}
     rows = []
     for name, ids in texts(demo.tokenizer).items():
         if name not in args.texts:
@@ -196,18 +197,7 @@ def main() -> None:
                     row = {"text": name, "context": context, "offset": offset}
                     row.update(cell(demo, prompt, args, do_sample, verify))
                     rows.append(row)
-                    print(
-                        markdown(
-                            [row], {"command": "", "threads": args.threads, "torch": "", "date": ""}
-                        ).splitlines()[-1],
-                        flush=True,
-                    )
-    meta = {
-        "command": "python benchmarks/ceiling.py " + " ".join(sys.argv[1:]),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+                    print(markdown([row], meta).splitlines()[-1], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(rows, meta))

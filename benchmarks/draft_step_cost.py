@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +35,9 @@ from hf_budgetdraft import (
     query_capture,
 )
 from hf_budgetdraft.demo.random_models import random_llama_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 
 def make_caches(config, static_config, args) -> dict:
@@ -217,17 +220,14 @@ def main() -> None:
     lo, hi = min(args.contexts), max(args.contexts)
     growth = {name: median_ms(name, hi) / median_ms(name, lo) for name in steppers}
     summary = {
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "processor_count": torch.get_num_threads(),
+        **run_record(args.threads),
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "growth_from_min_to_max_context": growth,
         "records": records,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "draft_step_cost.json").write_text(json.dumps(summary, indent=2))
-    table = markdown(records, growth, args)
+    table = markdown(records, growth, args) + f" {run_text(summary)}."
     (args.output_dir / "draft_step_cost.md").write_text(table + "\n")
     print(table)
 

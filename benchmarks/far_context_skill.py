@@ -45,7 +45,7 @@ from hf_budgetdraft.quiet import quiet_transformers
 from hf_budgetdraft.runs.intervals import wilson_interval
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_commit  # noqa: E402
+from provenance import run_record, run_text  # noqa: E402
 
 COPY_GOAL, RETRIEVAL_GOAL, GOAL_DISTANCE = 0.90, 0.50, 8192
 
@@ -160,7 +160,7 @@ def main(argv=None) -> dict:
     for result in results.values():
         result["goals"] = goals(result, results["bundled"]["perplexity"])
     command = "python benchmarks/far_context_skill.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {"command": command, "commit": git_commit(), "torch": torch.__version__, "threads": args.threads}
+    meta = {"command": command, **run_record(args.threads)}
     meta["seconds"] = round(time.time() - started)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "models": results}, indent=1))
@@ -173,8 +173,8 @@ def main(argv=None) -> dict:
 def markdown(results: dict, meta: dict, args) -> str:
     lines = [
         "# Does the target read far context?\n",
-        f"`{meta['command']}` at `{meta['commit']}`: {args.count} probes of each kind per distance, CPU fp32, "
-        f"{args.threads} threads, torch {meta['torch']}. Held-out filler (King John) and passages (licence texts). "
+        f"`{meta['command']}`: {args.count} probes of each kind per distance, CPU fp32, "
+        f"{args.threads} threads, {run_text(meta)}. Held-out filler (King John) and passages (licence texts). "
         "`copy` = per-token agreement with a 128-token passage seen once `distance` tokens back (after its first "
         "32 tokens; mean, 95% bootstrap interval); `retrieval` = facts in formats no training row used, answered "
         "whole (Wilson 95%); perplexity on King John in 2K windows.\n",

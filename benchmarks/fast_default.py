@@ -59,11 +59,10 @@ import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT, licence_text
 from hf_budgetdraft.eval.batched_bench import interval_text, number_text
-from hf_budgetdraft.eval.machine import machine, on_machine
 from hf_budgetdraft.eval.runners import run_ar, run_assisted, run_mtp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_commit  # noqa: E402
+from provenance import run_record, run_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -216,8 +215,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "# The one-liner against AR and hand-tuned settings",
         "",
         f"`{meta['command']}` — {meta['threads']} threads, run alone, {meta['new_tokens']} new tokens, "
-        f"{meta['repeats']} interleaved repeats, {meta.get('passages', 1)} passage(s) a cell, torch {meta['torch']}, "
-        f"transformers {meta['transformers']}, {meta['date']}{on_machine(meta)}. Medians; decode/e2e = paired ratios over the same repeat's AR with a 95% bootstrap "
+        f"{meta['repeats']} interleaved repeats, {meta.get('passages', 1)} passage(s) a cell, "
+        f"{run_text(meta)}. Medians; decode/e2e = paired ratios over the same repeat's AR with a 95% bootstrap "
         "interval. `identical` = greedy output equal to `ar_stock` (the target as loaded) in every run.",
         "",
         *(
@@ -345,15 +344,10 @@ def main() -> None:
     compile_seconds = compile_cost(args.threads, 8192, args.new_tokens) if args.compile_cost else None
     meta = {
         "command": "python benchmarks/fast_default.py " + " ".join(sys.argv[1:]),
-        "commit": git_commit(),
-        "threads": args.threads,
+        **run_record(args.threads),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "passages": args.passages,
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
         "fresh_process_call_seconds": compile_seconds,
     }  # fmt: skip
     out = Path(args.out)

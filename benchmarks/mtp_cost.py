@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,9 @@ import hf_budgetdraft  # noqa: F401
 from hf_budgetdraft import GrowableCache, cache_nbytes
 from hf_budgetdraft.cache import GrowableLayer, WindowedMtpCache
 from hf_budgetdraft.generation.draft_length.clock import synchronize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 SHAPES = {
     # MoE fields: transformers builds GLM-4 MTP layers as MoE blocks whatever `first_k_dense_replace` says; the
@@ -430,14 +434,13 @@ def main() -> None:
     name += "" if device.type == "cpu" else f"_{device.type}"
     where = f"{args.threads} torch threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     summary = {
-        "threads": args.threads,
+        **run_record(args.threads),
         "device": where,
-        "torch": torch.__version__,
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
     }
     (args.output_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
-    table = markdown(bench, records, where)
+    table = markdown(bench, records, where) + f"\n\n{run_text(summary)}."
     (args.output_dir / f"{name}.md").write_text(table + "\n")
     print(table)
 

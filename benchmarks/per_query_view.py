@@ -26,7 +26,7 @@ from hf_budgetdraft.cache.policies import DynamicChunkPolicy
 from hf_budgetdraft.trainer import per_query_view
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_commit  # noqa: E402
+from provenance import run_record, run_text  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,7 +95,7 @@ def markdown(summary: dict) -> list[str]:
         f"T = {s['continuation']} continuation queries, 8 query heads over 2 KV heads, budget {s['budget']}, chunks "
         f"of 8, fp32, medians of {s['repeats']} interleaved calls; {summary['threads']} torch threads, run alone "
         f"(load average before/after {summary['load_average_before'][0]:.2f} / "
-        f"{summary['load_average_after'][0]:.2f}); torch {summary['torch']}, commit {summary['commit']}.",
+        f"{summary['load_average_after'][0]:.2f}); {run_text(summary)}.",
     ]
     return lines
 
@@ -106,9 +106,7 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()
     records = [measure(p, d, args) for p in args.prompts for d in args.head_dims]
     summary = {
-        "commit": git_commit(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
+        **run_record(torch.get_num_threads()),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},

@@ -1,9 +1,15 @@
-"""Where a benchmark's figures came from: the git commit of the tree it ran on."""
+"""Where a benchmark's figures came from: the git commit of the tree, the machine, the library versions."""
 
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
+
+import torch
+import transformers
+
+from hf_budgetdraft.eval.machine import machine, on_machine
 
 
 def git_commit() -> str | None:
@@ -19,3 +25,22 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None
+
+
+def run_record(threads: int) -> dict:
+    """A benchmark's `meta` entries that say where it ran: `{commit, date, machine, threads, torch,
+    transformers}` (`machine`: `hf_budgetdraft.eval.machine.machine()`)."""
+    return {
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def run_text(meta: dict) -> str:
+    """`"torch 2.13.0+cpu, transformers 5.25.0, 2026-12-06, commit 1a2b3c4, on <machine>"` for a table header."""
+    commit = f", commit {meta['commit'][:7]}" if meta.get("commit") else ""
+    return f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['date']}{commit}{on_machine(meta)}"

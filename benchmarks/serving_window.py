@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,9 @@ from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.eval.runners import run_assisted
 from hf_budgetdraft.export_drafter import export_drafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SINK = 64
@@ -128,7 +132,7 @@ def markdown(meta: dict, table: list[dict]) -> str:
         "",
         f"`benchmarks/serving_window.py`: {meta['passages']} passages of the held-out play (offsets "
         f"{meta['offsets']}), {meta['context']}-token context, {meta['new_tokens']} new tokens, greedy, γ = "
-        f"{meta['gamma']}, {meta['threads']} thread; {meta['seconds']:.0f} s. Mean accepted length = tokens "
+        f"{meta['gamma']}, {meta['threads']} thread; {meta['seconds']:.0f} s; {run_text(meta)}. Mean accepted length = tokens "
         "emitted per verification round; the difference is paired by passage (mean [min, max] over passages).",
         "",
         "| row | mean accepted length | per passage | acceptance rate | minus the row compared with | greedy = `full` |",
@@ -188,9 +192,8 @@ def main(argv=None) -> int:
         "gamma": args.gamma,
         "windows": args.windows,
         "sink": SINK,
-        "threads": args.threads,
+        **run_record(args.threads),
         "seconds": time.perf_counter() - start,
-        "torch": torch.__version__,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2) + "\n")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +27,9 @@ import torch
 import hf_budgetdraft  # noqa: F401  (registers the draft caches)
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 PATHS = ("budgeted", "sink_window", "sampling", "batched", "self_draft", "plain")
 
@@ -107,7 +110,7 @@ def table(report: dict) -> str:
             "",
             f"RSS slope after the warm-up: {summary['rss_mib_per_100_calls']} MiB per 100 calls; live tensors "
             f"{summary['live_tensors_range']}; greedy outputs differing from the target's: "
-            f"{report['greedy_mismatches']}. {report['threads']} threads, {report['platform']}.",
+            f"{report['greedy_mismatches']}. {report['threads']} threads, {run_text(report)}.",
         ]
     )
 
@@ -126,8 +129,7 @@ def main() -> None:
     result = run(args)
     report = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "threads": torch.get_num_threads(),
-        "platform": f"{platform.machine()}, torch {torch.__version__}",
+        **run_record(torch.get_num_threads()),
         **result,
         "summary": summarize(result, args.warmup),
     }

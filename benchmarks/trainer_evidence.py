@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ from hf_budgetdraft.trainer import (
     pack_dataset,
     precompute_teacher_targets,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 
 def first_layers(target, num_layers: int):
@@ -278,6 +282,7 @@ def main() -> None:
         "teacher_forced": evals,
         "generate": accept,
         "seconds": time.perf_counter() - started,
+        **run_record(args.threads),
     }
     (args.output_dir / "trainer_evidence.json").write_text(json.dumps(record, indent=2))
     summary = (
@@ -286,7 +291,7 @@ def main() -> None:
         f"{args.learning_rate}; full_only = the same run with λ = 0 (L_A only). Agreement: teacher-forced on 16 "
         f"held-out rows at prefix {prefix}. Accept len: mean accepted length (tokens per verification round) "
         f"through generate(cache_implementation='budgeted'), gamma={args.gamma}, {args.prompts} held-out prompts x "
-        f"{args.new_tokens} new tokens, greedy."
+        f"{args.new_tokens} new tokens, greedy. {args.threads} threads, {run_text(record)}."
     )
     text = summary + "\n\n" + "\n".join(agreement_table) + "\n\n" + "\n".join(accept_table) + "\n"
     (args.output_dir / "trainer_evidence.md").write_text(text)

@@ -31,8 +31,8 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +41,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_budgetdraft  # noqa: F401  (registers budgetdraft_sdpa)
 from hf_budgetdraft import GrowableCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
 
 SETUPS = {  # name -> (attn_implementation, cache class)
     "stock": ("sdpa", DynamicCache),
@@ -284,7 +287,7 @@ def markdown(summary: dict, lengths: list[int], args) -> str:
     rows.append(
         f"{num_parameters / 1e6:.1f}M-parameter random Llama in {args.dtype}, {torch.get_num_threads()} torch "
         f"threads, {args.repeats} interleaved rounds x {args.inner} forwards, medians. Load average before/after: "
-        f"{load_before[0]:.2f} / {load_after[0]:.2f} ({os.cpu_count()} CPUs) — trust these numbers only from a run "
+        f"{load_before[0]:.2f} / {load_after[0]:.2f}; {run_text(summary)} — trust these numbers only from a run "
         "with nothing else busy."
     )
     return "\n".join(rows)
@@ -338,12 +341,9 @@ def main() -> None:
             "parameters": num_parameters,
             **{k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers")},
         },
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
+        **run_record(torch.get_num_threads()),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "goal": f"verify <= {GOAL_MAX_TOKENS} tokens <= {GOAL_RATIO}x a one-token step (own setup)",
         "goal_by_context": goal_by_context(records, args),
