@@ -6,7 +6,9 @@
 #   bash scripts/check_release.sh torch 2.6.0                 # the oldest torch pyproject.toml admits (CI)
 # Without test arguments it runs the tests that break first on that library: for transformers the integration
 # (family matrix, equivalence, batches, sampling, windowed MTP, cache contract), for torch the attention and the
-# integration. PyPI's Linux torch wheels are CUDA builds: a torch check downloads a few GB, and runs on CPU.
+# integration. The sampling test runs one of its settings (top-p, adaptive draft length): its statistics are the
+# package's own, what a transformers release can break is the call through its logits processors, which that one
+# makes. PyPI's Linux torch wheels are CUDA builds: a torch check downloads a few GB, and runs on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: scripts/check_release.sh transformers|torch VERSION [pytest args...]"
@@ -16,7 +18,8 @@ shift 2
 case "$package" in
   transformers)
     tests=(tests/test_compat.py tests/test_family_matrix.py tests/test_generate_equivalence.py
-      tests/test_concurrent_calls.py tests/generation/test_batched.py tests/generation/test_sampling.py
+      tests/test_concurrent_calls.py tests/generation/test_batched.py
+      "tests/generation/test_sampling.py::test_sampling_keeps_target_distribution[sink_window-top_p-adaptive]"
       tests/generation/test_windowed_mtp.py tests/cache/test_cache_contract.py) ;;
   torch) tests=(tests/attention tests/test_generate_equivalence.py tests/test_family_matrix.py) ;;
   *) echo "$usage (got '$package')" >&2; exit 2 ;;
