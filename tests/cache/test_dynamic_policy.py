@@ -10,6 +10,7 @@
 
 import pytest
 import torch
+from compile_counter import graph_counter
 from test_generate_equivalence import CACHES, NEW_TOKENS, speculate
 from tiny_models import model_pair, random_prompt
 from torch_support import needs_traceable_transformers
@@ -198,7 +199,6 @@ def test_every_single_sequence_path_stays_lossless(run):
 def test_a_static_step_reselects_inside_its_compiled_graph():
     """On a static cache the step re-selects inside the attention function, with fixed shapes: the one-token step
     compiles into one graph (`fullgraph=True`) reused over the whole call, and the output is still the target's."""
-    from test_static_cache import graph_counter
 
     target, drafter = model_pair("llama", "budgetdraft_varlen", num_assistant_tokens=None)
     backend, graphs = graph_counter()

@@ -15,6 +15,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from compile_counter import graph_counter
 from draft_cache_cases import BUDGET_POLICIES, DIM, HEADS, SLACK, random_kv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -166,20 +167,6 @@ def test_contract_exercises_sink_and_ring_steps_and_wraps():
 # ---------------------------------------------------------------------------------------------------------------
 # compile
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def graph_counter():
-    """A `torch.compile` backend that runs the captured graph eagerly and counts every (re)compilation.
-
-    A plain function, not an instance: generate deep-copies its compile config each round, and a copied backend
-    object would compare unequal and force a fresh `torch.compile`."""
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    return backend, graphs
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import traceback
 
 import pytest
 import torch
+from compile_counter import graph_counter
 from test_draft_spec import plan_for
 from tiny_models import model_pair, random_prompt
 from torch.overrides import TorchFunctionMode
@@ -264,7 +265,6 @@ def test_a_compiled_round_reads_nothing_from_the_device(fresh_dynamo):
     """The compiled step cannot count on the host; the draft loop hands the count back before each rollback, so
     rounds still read nothing (but the first compiled call's one check of whether a failed compilation wrote to the
     cache)."""
-    from test_static_cache import graph_counter
 
     target, drafter = model_pair("llama", "budgetdraft_varlen", num_assistant_tokens=None, draft_layers=1)
     backend, graphs = graph_counter()
