@@ -7,7 +7,10 @@ block rolled back with `crop(-steps)` so the context stays fixed. The fourth, `b
 budgeted cache with `static=True` and the step compiled the way `generate()` compiles it (the drafter on
 `budgetdraft_varlen`, `get_compiled_call`; compiled once, before the timing); the fifth, `budgeted_dynamic`, the same
 budget with `policy="dynamic"` (each step re-selects it with its query, stepped inside `query_capture` as
-`generate()` steps it; its cache holds the prompt's keys and values too). Writes JSON and a Markdown table.
+`generate()` steps it; its cache holds the prompt's keys and values too); the sixth, `budgeted_lean`, the static
+budgeted cache stepped by the lean draft step CPU `generate()` runs uncompiled (`hf_budgetdraft.cpu.lean_step`).
+`lean/compiled` is what compiling saves over the lean step: the saving the CPU's compile-when-it-pays rule prices.
+Writes JSON and a Markdown table.
 
 Run it alone (no other busy process: on 2 cores a second one stalls torch's threads):
     python benchmarks/draft_step_cost.py --threads 2 --output-dir bench-out
@@ -34,6 +37,7 @@ from hf_budgetdraft import (
     draft_step_compile_config,
     query_capture,
 )
+from hf_budgetdraft.cpu.lean_step import LeanDraftStep
 from hf_budgetdraft.demo.random_models import random_llama_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,7 +55,13 @@ def make_caches(config, static_config, args) -> dict:
             static_config, budget=args.budget, policy="chunk", slack=args.steps, static=True
         ),
         "budgeted_dynamic": BudgetedCache(config, budget=args.budget, policy="dynamic", slack=args.steps),
+        "budgeted_lean": BudgetedCache(
+            static_config, budget=args.budget, policy="chunk", slack=args.steps, static=True
+        ),
     }
+
+
+STATIC_CACHES = ("budgeted_compiled", "budgeted_lean")  # prefilled by the drafter on budgetdraft_varlen
 
 
 class Captured:
@@ -63,6 +73,16 @@ class Captured:
     def __call__(self, *args, **kwargs):
         with query_capture(self.model):
             return self.model(*args, **kwargs)
+
+
+class Lean:
+    """The lean draft step with a model's call signature: `(input_ids, cache=, position_ids=, logits_to_keep=1)`."""
+
+    def __init__(self, model):
+        self.step = LeanDraftStep(model)
+
+    def __call__(self, input_ids, cache, position_ids, logits_to_keep: int = 1):
+        return self.step(input_ids, position_ids, cache)
 
 
 @torch.inference_mode()
@@ -132,10 +152,13 @@ def measure_context(context: int, model, static_model, steppers: dict, args) -> 
     caches = make_caches(model.config, static_model.config, args)
     with torch.inference_mode():
         for name, cache in caches.items():  # the prefill runs eager
-            (static_model if name == "budgeted_compiled" else model)(prompt, cache=cache, logits_to_keep=1)
+            (static_model if name in STATIC_CACHES else model)(prompt, cache=cache, logits_to_keep=1)
     times: dict[str, list[float]] = {name: [] for name in caches}
-    for name, cache in caches.items():  # warm-up (and the one compilation), untimed
+    warm_up = {}  # seconds of the first block: at the first context, `budgeted_compiled`'s includes its compilation
+    for name, cache in caches.items():
+        began = time.perf_counter()
         time_block(steppers[name], cache, context, args.steps, token)
+        warm_up[name] = time.perf_counter() - began
     for _ in range(args.repeats):
         for name, cache in caches.items():
             times[name].append(time_block(steppers[name], cache, context, args.steps, token))
@@ -147,11 +170,18 @@ def measure_context(context: int, model, static_model, steppers: dict, args) -> 
             "step_ms_median": 1e3 * statistics.median(times[name]),
             "step_ms_all": [1e3 * t for t in times[name]],
             "draft_cache_bytes": cache_nbytes(cache),
+            "warm_up_seconds": warm_up[name],
         }
         if name != "full":
             low, high = bootstrap_ratio_ci(times["full"], times[name])
             record["full_over_this"] = statistics.median(times["full"]) / statistics.median(times[name])
             record["full_over_this_ci95"] = [low, high]
+        if name == "budgeted_compiled":
+            low, high = bootstrap_ratio_ci(times["budgeted_lean"], times[name])
+            record["lean_over_this"] = statistics.median(times["budgeted_lean"]) / statistics.median(
+                times[name]
+            )
+            record["lean_over_this_ci95"] = [low, high]
         records.append(record)
     line = ", ".join(f"{r['cache']} {r['step_ms_median']:.2f} ms" for r in records)
     print(f"context {context}: {line}", flush=True)
@@ -168,8 +198,9 @@ def markdown(records: list[dict], growth: dict, args) -> str:
     rows = [
         "| context | full (ms) | sink_window (ms) | budgeted (ms) | budgeted compiled (ms) | budgeted dynamic (ms) "
         "| full/sink_window [95% CI] | full/budgeted [95% CI] | full/budgeted compiled [95% CI] "
-        "| full/budgeted dynamic [95% CI] | draft KV full / sink_window / budgeted / budgeted dynamic (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| full/budgeted dynamic [95% CI] | budgeted lean (ms) | lean/compiled [95% CI] "
+        "| draft KV full / sink_window / budgeted / budgeted dynamic (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for context in args.contexts:
         cell = {r["cache"]: r for r in records if r["context_length"] == context}
@@ -180,10 +211,12 @@ def markdown(records: list[dict], growth: dict, args) -> str:
             f"{cell[n]['draft_cache_bytes'] / 2**20:.1f}"
             for n in ("full", "sink_window", "budgeted", "budgeted_dynamic")
         )
+        low, high = bc["lean_over_this_ci95"]
         rows.append(
             f"| {context} | {cell['full']['step_ms_median']:.2f} | {sw['step_ms_median']:.2f} | "
             f"{bd['step_ms_median']:.2f} | {bc['step_ms_median']:.2f} | {dy['step_ms_median']:.2f} | {ratio(sw)} | "
-            f"{ratio(bd)} | {ratio(bc)} | {ratio(dy)} | {mib} |"
+            f"{ratio(bd)} | {ratio(bc)} | {ratio(dy)} | {cell['budgeted_lean']['step_ms_median']:.2f} | "
+            f"{bc['lean_over_this']:.2f} [{low:.2f}, {high:.2f}] | {mib} |"
         )
     rows.append("")
     rows.append(
@@ -207,6 +240,7 @@ def main() -> None:
         "budgeted": model,
         "budgeted_compiled": static_model.get_compiled_call(draft_step_compile_config(static_model.device)),
         "budgeted_dynamic": Captured(model),
+        "budgeted_lean": Lean(static_model),
     }
     records = []
     for context in args.contexts:

@@ -15,9 +15,11 @@ from transformers import CompileConfig
 
 from .model_state import model_state
 
-COMPILE_SECONDS_ESTIMATE = 45.0  # a cold inductor compilation of a small drafter's step on CPU
-# share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step
-COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.2}
+# a cold inductor compilation of a small drafter's step on CPU, rounded up from what benchmarks/results records
+COMPILE_SECONDS_ESTIMATE = 30.0
+# share of a static step a compiled one saves: of the drafter's own eager forward, of a lean step (the smallest
+# recorded; benchmarks/draft_step_cost.py measures both)
+COMPILED_STEP_SAVING = {"eager": 0.5, "lean": 0.35}
 
 
 def draft_step_compile_config(device: torch.device | str) -> CompileConfig:

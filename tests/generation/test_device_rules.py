@@ -36,6 +36,7 @@ def test_cpu_keeps_its_speedups_and_rents_the_compilation(dtype):
         "round_clock",
     }
     assert not rules.device_round and rules.reasons["device_round"].startswith("measured")
+    assert rules.reasons["compile_from_first_call"].startswith("measured")  # the rental's prices
     assert rules.compiled_catch_up == 0
 
 
