@@ -4,6 +4,7 @@ import logging
 
 import pytest
 import torch
+from resolved_plans import plan_for
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
 
 from hf_budgetdraft import DraftSpec, record_speculation
@@ -106,8 +107,6 @@ def test_a_drafter_that_computes_something_else_drafts_with_its_own_forward(capl
 
 
 def test_explicit_lean_step_is_refused_where_it_cannot_run():
-    from test_draft_spec import plan_for
-
     target, drafter = model_pair("gpt_neox", "sdpa", num_assistant_tokens=None)
     with pytest.raises(ValueError, match="lean_step=True, but the draft cache is not static"):
         plan_for(target, drafter, cache_config={"lean_step": True})

@@ -5,8 +5,8 @@ a failed compilation falls back losslessly without poisoning later compilations.
 
 import pytest
 import torch
+from resolved_plans import plan_for
 from test_device_rules import HostReads
-from test_draft_spec import plan_for
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig

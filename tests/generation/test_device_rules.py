@@ -8,7 +8,7 @@ import traceback
 import pytest
 import torch
 from compile_counter import graph_counter
-from test_draft_spec import plan_for
+from resolved_plans import plan_for
 from tiny_models import model_pair, random_prompt
 from torch.overrides import TorchFunctionMode
 from torch_support import needs_traceable_transformers

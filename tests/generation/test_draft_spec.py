@@ -3,23 +3,14 @@
 
 import pytest
 import torch
+from resolved_plans import plan_for
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
-from transformers import GenerationConfig
 
 from hf_budgetdraft import DraftSpec, record_speculation
 from hf_budgetdraft.generation import compiled_step
-from hf_budgetdraft.generation.plan import resolve_plan
 
 NEW_TOKENS = 24
 LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3", "granite"}  # what the lean draft step can run
-
-
-def plan_for(target, drafter, name="budgeted", cache_config=None, **call):
-    config = GenerationConfig(**call)
-    config.update(**config._get_default_generation_params(), defaults_only=True)  # as generate() fills it
-    return resolve_plan(
-        DraftSpec.from_cache_config(name, cache_config), cache_config, target, drafter, config
-    )
 
 
 def test_spec_defaults_are_visible_and_round_trip():

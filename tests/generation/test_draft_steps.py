@@ -3,7 +3,7 @@ returns its logits; `DraftSteps.for_plan` picks them from the plan once per call
 
 import pytest
 import torch
-from test_draft_spec import plan_for
+from resolved_plans import plan_for
 from tiny_models import model_pair, random_prompt
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
