@@ -70,9 +70,8 @@ def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32)
                 "compile_from_first_call": "measured on CPU: a cold compilation costs about 20-25 s and the "
                 "compiled step saves about half an eager step, a third of a lean one, so the step compiles once the "
                 "uncompiled steps have spent what it would have saved (ski rental)",
-                "device_round": "measured on CPU with an eager verification: slower than the CPU round, whose "
-                "target keeps budgetdraft_sdpa and few-row linear layers on a GrowableCache (compiled on CPU: not "
-                "measured)",
+                "device_round": "measured on CPU, the verification eager or compiled: slower than the CPU round, "
+                "whose target keeps budgetdraft_sdpa and few-row linear layers on a GrowableCache",
                 "compiled_catch_up": "estimate: on CPU catch-up blocks keep the block step (the lean step's, measured "
                 "cheaper than the drafter's own forward)",
                 "round_clock": "host clock: CPU work is synchronous",

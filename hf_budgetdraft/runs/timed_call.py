@@ -86,6 +86,7 @@ class RunResult:
         target_cache_bytes (`int`, *optional*): `cache_nbytes` of the returned cache; `None` without one.
         peak_rss_bytes (`int`, *optional*): the process's peak resident set size so far.
         cuda_peak_bytes (`int`, *optional*): peak allocated CUDA memory during the call (CUDA only).
+        runtime (`dict`, *optional*): `stats.runtime`, what ran (kept: `stats` drops its generator after the call).
     """
 
     new_ids: torch.LongTensor
@@ -97,6 +98,7 @@ class RunResult:
     target_cache_bytes: int | None
     peak_rss_bytes: int | None
     cuda_peak_bytes: int | None
+    runtime: dict | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -188,6 +190,7 @@ def timed_generate(
         target_cache_bytes=cache_nbytes(target_cache) if target_cache is not None else None,
         peak_rss_bytes=peak_rss_bytes(),
         cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if on_cuda else None,
+        runtime=stats.runtime,
     )
     stats.candidate_generator = None  # drop the draft cache now that it is measured
     return result
