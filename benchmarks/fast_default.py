@@ -187,7 +187,8 @@ def bootstrap(values: list[float], draws: int = 2000) -> tuple[float, float, flo
 
 def summarise(records: list[dict]) -> list[dict]:
     rows = []
-    keys = sorted({(r["text"], r["context"], r["row"]) for r in records}, key=lambda k: (k[0], k[1]))
+    first_seen = dict.fromkeys((r["text"], r["context"], r["row"]) for r in records)  # in the run's order
+    keys = sorted(first_seen, key=lambda k: (k[0], k[1]))
     for text, context, name in keys:
         cell = [r for r in records if (r["text"], r["context"], r["row"]) == (text, context, name)]
         row = {"text": text, "context": context, "row": name, "runs": len(cell)}

@@ -2,28 +2,16 @@
 drafter and cache, a target read as its own drafter on a full cache agrees with itself on every token, and the
 one-liner's timed calls reproduce plain AR's output."""
 
-import importlib.util
 import json
 import re
-import sys
 
 import pytest
 import torch
-from repo_paths import REPO as ROOT
+from repo_paths import load_benchmark
 from train_target import target_config
 from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
 from hf_budgetdraft.demo.models import DEMO_DIR
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "budget_evidence", ROOT / "benchmarks" / "budget_evidence.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def save_tiny_target(folder):
@@ -43,7 +31,7 @@ def test_a_tiny_run_on_the_far_context_tasks(tmp_path, policy):
     args += ["--contexts", "512", "--budgets", "64", "--prompts", "2", "--threads", "1", "--out", str(out)]
     args += ["--bootstrap-draws", "50", "--speed-prompts", "1", "--speed-tokens", "8", "--policy", policy]
     args += ["--roles", "base=base", "budgetdraft=target", "lambda0=base", "--goal-budgets", "64"]
-    load_benchmark().main(args)
+    load_benchmark("budget_evidence").main(args)
     report = json.loads(out.with_suffix(".json").read_text())
     results = report["results"]
     assert re.fullmatch(r"[0-9a-f]{40}", report["meta"]["commit"])  # the tree the figures came from
@@ -76,7 +64,7 @@ def test_each_one_liner_call_is_compared_with_the_ar_of_its_own_moment(monkeypat
     """The machine's AR speed drifts; every one-liner call is divided by the mean of the AR calls just before and
     after it. Fake calls whose speeds all double from one call to the next give every one-liner call the same ratio to
     the AR around it (compared with the first and last AR of the prompt instead, they would range over 4x)."""
-    load_benchmark()  # puts benchmarks/ on the path
+    load_benchmark("budget_evidence")  # puts benchmarks/ on the path
     import one_liner_speed
 
     calls = []
@@ -119,7 +107,7 @@ def test_a_policy_with_hyper_parameters(tmp_path, monkeypatch):
         str(out),
     ]
     args += ["--policy", "dynamic", "--speed-prompts", "1", "--speed-tokens", "8"]
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("budget_evidence")
     from hf_budgetdraft.cache import selection
 
     built = []

@@ -1,24 +1,13 @@
 """`benchmarks/budget_goals.py`: BudgetDraft's claim judged from per-prompt tokens a round with paired intervals,
 each goal met, missed or open (its interval straddling the threshold)."""
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
-from repo_paths import REPO as ROOT
+from repo_paths import load_benchmark
 
-
-def load_goals():
-    spec = importlib.util.spec_from_file_location("budget_goals", ROOT / "benchmarks" / "budget_goals.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-goals_module = load_goals()
+goals_module = load_benchmark("budget_goals")
 ROLES = {"base": "base", "budgetdraft": "bd", "lambda0": "l0"}
 
 

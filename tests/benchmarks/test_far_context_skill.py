@@ -2,12 +2,10 @@
 far-context ones, and a run writes one table row per model and distance with the bundled target as reference."""
 
 import argparse
-import importlib.util
 import json
-import sys
 
 import torch
-from repo_paths import REPO
+from repo_paths import load_benchmark
 from train_target import target_config
 from transformers import AutoTokenizer, Glm4MoeForCausalLM
 
@@ -15,18 +13,8 @@ from hf_budgetdraft.demo.models import DEMO_DIR
 from hf_budgetdraft.eval.far_context import InductionOracle, held_out_sources
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "far_context_skill", REPO / "benchmarks" / "far_context_skill.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_an_induction_oracle_meets_the_goals_a_random_model_does_not():
-    bench = load_benchmark()
+    bench = load_benchmark("far_context_skill")
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer", local_files_only=True)
     args = argparse.Namespace(
         distances=[256], count=3, seed=0, bootstrap_draws=50, ppl_tokens=128, ppl_window=64
@@ -54,7 +42,7 @@ def test_a_run_writes_a_row_per_model_and_distance(tmp_path):
         tmp_path / "m"
     )
     out = tmp_path / "skill"
-    load_benchmark().main(
+    load_benchmark("far_context_skill").main(
         [
             "--model",
             f"tiny={tmp_path / 'm'}",

@@ -1,19 +1,12 @@
 """`benchmarks/per_query_view.py`, tiny: both block sizes run, give one mask (checked inside), and fill the table."""
 
-import importlib.util
 import json
-import sys
 
-from repo_paths import REPO
+from repo_paths import load_benchmark
 
 
 def test_a_tiny_run_writes_its_table(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "per_query_view_bench", REPO / "benchmarks" / "per_query_view.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("per_query_view", "per_query_view_bench")
     sizes = [
         "--prompts",
         "96",

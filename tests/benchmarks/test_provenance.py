@@ -1,27 +1,15 @@
 """`benchmarks/provenance.py`: every benchmark's results say which commit, machine and libraries made them."""
 
-import importlib.util
 import re
-import sys
 
 import pytest
 import torch
 import transformers
-from repo_paths import REPO
-
-BENCHMARKS = REPO / "benchmarks"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from repo_paths import BENCHMARKS, load_benchmark
 
 
 def test_a_run_record_names_its_commit_machine_and_libraries():
-    provenance = load("provenance")
+    provenance = load_benchmark("provenance")
     record = provenance.run_record(3)
     assert re.fullmatch(r"[0-9a-f]{40}", record["commit"])  # the tests run in a git checkout
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", record["date"])
@@ -34,7 +22,7 @@ def test_a_run_record_names_its_commit_machine_and_libraries():
 
 
 def test_a_header_reads_a_record_made_outside_a_checkout_or_before_machines_were_recorded():
-    provenance = load("provenance")
+    provenance = load_benchmark("provenance")
     old = {"torch": "2.13.0+cpu", "transformers": "5.25.0", "date": "2026-12-01", "commit": None}
     assert provenance.run_text(old) == "torch 2.13.0+cpu, transformers 5.25.0, 2026-12-01"
 
@@ -42,6 +30,6 @@ def test_a_header_reads_a_record_made_outside_a_checkout_or_before_machines_were
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py")))
 def test_every_benchmark_script_imports(name):
     """Each script's imports resolve (its main runs only as a script); the measuring ones record their run."""
-    module = load(name)
+    module = load_benchmark(name, f"{name}_bench")
     if name not in ("provenance", "one_liner_speed", "budget_goals", "demo_table"):
         assert "run_record" in vars(module), f"benchmarks/{name}.py writes no run_record() in its results"
