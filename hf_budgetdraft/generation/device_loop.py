@@ -9,8 +9,8 @@ check, the finished flag) and verifies through an eager forward on a cache whose
    forward (`static_verify.py`);
 3. the acceptance runs on the device (greedy: the target's argmax; sampling: speculative sampling), the new tokens
    are written into a device buffer, and the host reads one pair, `(kept, first EOS)`: the round's only wait;
-4. both caches roll back by moving their write index (target: the rejected drafts and the padding; draft: its
-   rejected tail), never by copying.
+4. both caches roll back by moving their write index, never by copying: the target's on the device before the
+   read (the rejected drafts and the padding), the draft's on the host after it (its rejected tail).
 
 Greedy output is the target's own (it is the target's argmax at every position); sampling keeps its
 distribution (Leviathan et al., arXiv 2211.17192). The loop does what most calls ask (greedy or sampling, the
@@ -133,6 +133,7 @@ class DeviceRound:
             drafts, draft_logits, logits, limits, self.sample, on_device=True
         )  # (1,), (1, γ + 1)
         kept = kept[0]
+        self.verify.keep(kept)  # the target's rollback, queued before the read below
         tokens[:, length : length + gamma + 1] = new
         eos_end = torch.zeros_like(kept)
         if self.eos is not None:
@@ -142,8 +143,7 @@ class DeviceRound:
         return kept, eos_end
 
     def _roll_back(self, length: int, gamma: int, kept: int) -> None:
-        """The target's cache keeps `length + kept` tokens (all but the newest), the draft's at most that."""
-        self.verify.cache.crop(-(self.verify.padded_to - 1 - kept))
+        """The draft cache keeps at most `length + kept` tokens (the target's rolled back in `_round`)."""
         excess = self.draft_seen - (length + kept)
         if gamma and excess > 0:
             self.draft_cache.note_length(self.draft_seen)

@@ -172,8 +172,8 @@ class StaticVerify:
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Verify `tokens (1, n)` at positions `start ...`; `(1, n, V)` float32 logits (a copy: a CUDA graph's output
-        is overwritten by its next replay). The cache then holds `bucket(n)` more positions: crop what is rejected
-        and the padding."""
+        is overwritten by its next replay). The cache then holds `bucket(n)` more positions: `keep` what is
+        accepted."""
         n = tokens.shape[1]
         size = self.padded_to = bucket_of(n, self.sizes)
         self.record.buckets[size] = self.record.buckets.get(size, 0) + 1
@@ -182,6 +182,15 @@ class StaticVerify:
             self.record.eager_calls += 1
             return self._forward(_call, padded, start)[:, :n].float()
         return self._compiled(padded, start, size)[:, :n].float().clone()
+
+    def keep(self, kept: torch.Tensor) -> None:
+        """After a verification, keep its newest token and `kept (0-dim, device)` drafts: the rejected drafts and
+        the padding leave the cache. Device work queued behind the verification (one `sub_` a layer), so it needs
+        no host read and, on CUDA, runs while the host waits for the round's accepted count."""
+        back = (self.padded_to - 1) - kept
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.sub_(back)
 
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
         """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:

@@ -8,14 +8,17 @@ import torch
 from resolved_plans import plan_for
 from test_device_rules import HostReads
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
+from torch.overrides import TorchFunctionMode
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.cache import is_full_attention_only
+from hf_budgetdraft.generation.device_loop import DeviceRound
 from hf_budgetdraft.generation.device_rules import device_rules
+from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.model_state import model_state
-from hf_budgetdraft.generation.static_verify import bucket_of, buckets
+from hf_budgetdraft.generation.static_verify import StaticVerify, bucket_of, buckets
 
 ROUND = {"device_round": True}
 SIZES = {
@@ -223,6 +226,55 @@ def test_one_host_read_a_round(fresh_dynamo):
         assert reads.sites.pop("device_loop.py:_round") == stats.rounds
         per_call.append(dict(reads.sites))
     assert per_call[0] == per_call[1] and per_call[0]["device_loop.py:_generate"] == 1, per_call
+
+
+class AfterTheRead(TorchFunctionMode):
+    """Records the tensors each torch call touches while `open`: from a round's read (the end of `_round`) to the
+    next forward (a draft step, or the verification of a round that drafts nothing), the host's work that the device
+    waits for on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.open, self.touched, self.calls = False, set(), 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.open:
+            self.calls += 1
+            self.touched.update(id(a) for a in (*args, *(kwargs or {}).values()) if torch.is_tensor(a))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_targets_rollback_is_queued_before_the_rounds_read(monkeypatch):
+    """The target's cache rolls back on the device before the round's one read, so after it the host touches only
+    the draft's side before drafting again."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    ids = random_prompt(150, seed=6)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=40)
+    window = AfterTheRead()
+    round_ = DeviceRound._round
+
+    def closing(forward):
+        def call(self, *args, **kwargs):
+            window.open = False
+            return forward(self, *args, **kwargs)
+
+        return call
+
+    def opening_round(self, *args, **kwargs):
+        outcome = round_(self, *args, **kwargs)  # its last call is the read
+        window.open = True
+        return outcome
+
+    monkeypatch.setattr(DraftSteps, "__call__", closing(DraftSteps.__call__))
+    monkeypatch.setattr(StaticVerify, "__call__", closing(StaticVerify.__call__))
+    monkeypatch.setattr(DeviceRound, "_round", opening_round)
+    with window:
+        out, stats = speculate(target, drafter, ids, cache_config={"draft_length": 3})
+    assert torch.equal(out, expected) and stats.rounds > 5 and window.calls > 0
+    (cache,) = [c for free in model_state(target).free_caches.values() for c in free]
+    lengths = {id(layer.cumulative_length) for layer in cache.layers}
+    stored = {id(t) for layer in cache.layers for t in (layer.keys, layer.values)}
+    assert not window.touched & (lengths | stored)
 
 
 def test_sampling_runs_on_the_device_and_top_k_1_is_greedy():
