@@ -64,6 +64,7 @@ from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
+from .generation.stops import EveryTokenStops
 from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp_cache
 
 logger = logging.get_logger(__name__)
@@ -80,18 +81,18 @@ def build_sparse_cache(name: str, config: PreTrainedConfig, cache_config: dict |
     return DraftSpec.from_cache_config(name, cache_config).build_cache(config)
 
 
-def _check_assistant(
-    target, assistant_model, generation_config, target_tokenizer, assistant_tokenizer
-) -> None:
+def _check_assistant(target, assistant_model, generation_config, assistant_tokenizer) -> None:
     name = generation_config.cache_implementation
     if generation_config.prompt_lookup_num_tokens is not None or assistant_model is None:
         raise ValueError(
             f"cache_implementation={name!r} names the draft model's cache, but this call has no draft model "
             "(assistant_model=None); pass assistant_model=drafter"
         )
-    if target_tokenizer is not None or assistant_tokenizer is not None:
+    # `tokenizer=` alone is what `stop_strings` needs; with `assistant_tokenizer=` too, transformers runs universal
+    # assisted generation (a drafter with another tokenizer)
+    if assistant_tokenizer is not None:
         raise ValueError(
-            f"cache_implementation={name!r} needs a drafter sharing the target's tokenizer; drop tokenizer=/"
+            f"cache_implementation={name!r} needs a drafter sharing the target's tokenizer; drop "
             "assistant_tokenizer= (universal assisted generation is not supported with sparse draft caches)"
         )
     _check_devices(target, assistant_model)
@@ -202,7 +203,7 @@ def _get_candidate_generator(
     elif name in SPARSE_CACHE_IMPLEMENTATIONS:
         plan = _current_plan.get()
         if plan is None:  # reached without generate(): resolve here (no attention switch)
-            _check_assistant(self, assistant_model, generation_config, target_tokenizer, assistant_tokenizer)
+            _check_assistant(self, assistant_model, generation_config, assistant_tokenizer)
             plan = _plan(self, assistant_model, generation_config)
         draft_cache = plan.draft_cache(assistant_model)
         generator = SparseDraftCandidateGenerator(
@@ -272,16 +273,12 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     if sparse and generation_config.use_mtp:  # windowed MTP: the target verifies as with assistant_model=
         fast_verify = WindowedSpec.from_cache_config("mtp", generation_config.cache_config).fast_verify
         with using_attention(self, verify_attention(self, fast_verify)), few_row_linears(self, fast_verify):
-            return stock(self, *args, **kwargs)
-    if not sparse or builtin_draft:
+            return _every_token_stops(stock, self, input_ids, args, kwargs)
+    if not sparse:
         return stock(self, *args, **kwargs)
-    _check_assistant(
-        self,
-        assistant_model,
-        generation_config,
-        kwargs.get("tokenizer"),
-        kwargs.get("assistant_tokenizer"),
-    )
+    if builtin_draft:
+        return _every_token_stops(stock, self, input_ids, args, kwargs)
+    _check_assistant(self, assistant_model, generation_config, kwargs.get("assistant_tokenizer"))
     rows = None if input_ids is None else input_ids.shape[0]
     loop_problem = unsupported_by_device_round(generation_config, kwargs, input_ids)
     plan = _plan(self, assistant_model, generation_config, rows, loop_problem)
@@ -296,9 +293,17 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     token = _current_plan.set(plan)
     try:
         with plan.applied(self):
-            return stock(self, *args, **kwargs)
+            return _every_token_stops(stock, self, input_ids, args, kwargs)
     finally:
         _current_plan.reset(token)
+
+
+def _every_token_stops(stock, self, input_ids, args, kwargs):
+    """transformers' assisted loop, its stopping criteria besides `max_length` and EOS checked at every token of a
+    round rather than at the round's end (`generation/stops.py`), so the output stops where the target's would."""
+    stops = EveryTokenStops.wrap(kwargs, input_ids)
+    output = stock(self, *args, **kwargs)
+    return output if stops is None else stops.trim(output)
 
 
 def _prepare_cache_for_generation(

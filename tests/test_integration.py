@@ -42,7 +42,7 @@ def test_vocab_mismatch():
     with pytest.raises(ValueError, match="different tokenizers"):
         _generate(target, other)
     with pytest.raises(ValueError, match="drafter vocab_size=130 differs from the target's vocab_size=128"):
-        integration._check_assistant(target, other, target.generation_config, None, None)
+        integration._check_assistant(target, other, target.generation_config, None)
 
 
 @pytest.mark.parametrize("name", ["sink_window", "budgeted"])

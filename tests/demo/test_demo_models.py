@@ -109,3 +109,26 @@ def test_speculative_output_equals_target_greedy(demo, drafter_name, cache, cach
         kwargs["assistant_model"] = getattr(demo, drafter_name)
     out = demo.target.generate(ids, max_new_tokens=40, do_sample=False, **kwargs)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("draft", ["drafter", "mtp"])
+def test_stop_strings_end_a_speculative_call_where_they_end_the_targets(demo, draft):
+    """`stop_strings` needs `tokenizer=`, which alone is not universal assisted generation (that takes an
+    `assistant_tokenizer=` too): the call runs, and stops at the token where the target's own call stops, also when
+    the string ends inside a round."""
+    ids = demo.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, 5000:6500]
+    free = demo.target.generate(ids, max_new_tokens=40, do_sample=False)
+    words = demo.tokenizer.decode(free[0, ids.shape[1] :]).split()
+    stop = next(w for w in words[len(words) // 2 :] if len(w) > 3)  # a word late in the continuation
+    kwargs = {"max_new_tokens": 40, "do_sample": False, "stop_strings": [stop], "tokenizer": demo.tokenizer}
+    expected = demo.target.generate(ids, **kwargs)
+    if draft == "mtp":
+        speculative = {"use_mtp": True, "cache_config": {"num_sink_tokens": 16, "window_length": 128}}
+        speculative["cache_implementation"] = "sink_window"
+    else:
+        speculative = {"assistant_model": demo.drafter, "cache_implementation": "budgeted"}
+    out = demo.target.generate(ids, **speculative, **kwargs)
+    assert expected.shape[1] < free.shape[1] and torch.equal(out, expected)
+    if draft == "drafter":
+        with pytest.raises(ValueError, match="assistant_tokenizer"):
+            demo.target.generate(ids, **speculative, assistant_tokenizer=demo.tokenizer, **kwargs)
