@@ -62,6 +62,7 @@ from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
+from .generation.processors import refuse_stateful
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 from .generation.stops import EveryTokenStops
@@ -263,6 +264,9 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     )
     if sparse:
         _check_prompt(self, input_ids)
+        refuse_stateful(
+            kwargs.get("logits_processor"), f"cache_implementation={generation_config.cache_implementation!r}"
+        )
     if sparse and builtin_draft and input_ids is not None and input_ids.shape[0] > 1:
         raise ValueError(
             f"use_mtp=True / speculation_type='dflash' with cache_implementation="

@@ -142,3 +142,46 @@ def test_greedy_draft_loop_proposes_what_nested_generate_proposes(monkeypatch, s
         assert min(proposed) < GAMMA  # the threshold did stop some rounds early
     if setting == "eos":
         assert out.shape[1] < PROMPT_LENGTH + NEW_TOKENS  # the text did end at EOS
+
+
+def _processor_calls(free: list[int], prompt: int) -> dict:
+    """generate() kwargs that each add one of transformers' logits processors to a greedy call, built from the
+    target's free continuation `free` so each one changes what it emits."""
+    return {
+        "repetition_penalty": dict(repetition_penalty=1.3),
+        "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+        "bad_words_ids": dict(bad_words_ids=[[free[4]], [free[8], free[9]]]),
+        "sequence_bias": dict(sequence_bias={(free[6],): -20.0}),
+        "suppress_tokens": dict(suppress_tokens=[free[3], free[7]]),
+        "begin_suppress_tokens": dict(begin_suppress_tokens=[free[0]]),
+        "forced_eos_token_id": dict(forced_eos_token_id=free[2], max_new_tokens=12),
+        "min_length": dict(min_length=prompt + 20, eos_token_id=free[5]),
+        "min_new_tokens": dict(min_new_tokens=20, eos_token_id=free[5]),
+        "exponential_decay_length_penalty": dict(
+            exponential_decay_length_penalty=(4, 1.5), eos_token_id=free[9]
+        ),
+        "renormalize_logits": dict(renormalize_logits=True, repetition_penalty=1.2),
+        "watermarking_config": dict(watermarking_config={"bias": 2.5, "seeding_scheme": "lefthash"}),
+    }
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["one", "batch"])
+def test_every_logits_processor_keeps_the_targets_output(rows):
+    """Processors that read the ids run position by position (transformers' loop, or the batched loop), those that
+    read only scores or lengths blockwise: each call equals the target's own with the same processor."""
+    target, drafter = model_pair("llama", num_assistant_tokens=GAMMA)
+    ids = random_prompt(PROMPT_LENGTH, seed=9).repeat(rows, 1)
+    free = target.generate(ids[:1], do_sample=False, max_new_tokens=NEW_TOKENS)[0, PROMPT_LENGTH:].tolist()
+    for name, call in _processor_calls(free, PROMPT_LENGTH).items():
+        call = {"do_sample": False, "max_new_tokens": NEW_TOKENS, **call}
+        expected = target.generate(ids, **call)
+        out = target.generate(ids, assistant_model=drafter, cache_implementation="budgeted", **call)
+        assert torch.equal(out, expected), name
+
+
+@pytest.mark.parametrize("cache_name", ["sink_window", "budgeted-chunk"])
+def test_classifier_free_guidance_is_refused(cache_name):
+    """Its unconditional cache advances a token a step and is never rolled back: refused, not silently wrong."""
+    target, drafter = model_pair("llama", num_assistant_tokens=GAMMA)
+    with pytest.raises(ValueError, match="classifier-free guidance"):
+        speculate(target, drafter, random_prompt(PROMPT_LENGTH), cache_name, guidance_scale=1.5)

@@ -2,13 +2,15 @@
 
 transformers applies its processors one position at a time to the ids before it; the processors below read only
 the scores (`SCORE_ONLY`), or only the length (`min_new_tokens` / `min_length`, `suppress_eos`), so a whole
-`(B, n, V)` block goes through them in one call. Anything else needs the ids of each position.
+`(B, n, V)` block goes through them in one call. Anything else needs the ids of each position. A processor that
+keeps state of its own across steps (`STATEFUL`) cannot follow a speculative round at all (`refuse_stateful`).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.generation.logits_process import (
+    ClassifierFreeGuidanceLogitsProcessor,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
@@ -20,6 +22,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
 SCORE_ONLY = (
@@ -34,11 +37,25 @@ SCORE_ONLY = (
     SuppressTokensLogitsProcessor,
 )
 LENGTH_ONLY = (MinNewTokensLengthLogitsProcessor, MinLengthLogitsProcessor)
+# classifier-free guidance runs the model on the unconditional prompt with a cache of its own, one token a step,
+# never rolled back: after a rejected draft it guides with the wrong context
+STATEFUL = (UnbatchedClassifierFreeGuidanceLogitsProcessor, ClassifierFreeGuidanceLogitsProcessor)
 
 
 def is_blockwise(processor) -> bool:
     """Whether `processor` can run on a block of positions without the ids before each."""
     return isinstance(processor, SCORE_ONLY + LENGTH_ONLY)
+
+
+def refuse_stateful(processors, what: str) -> None:
+    """Raise if one of `processors` keeps state across steps that a speculative round cannot roll back."""
+    stateful = [type(p).__name__ for p in processors or [] if isinstance(p, STATEFUL)]
+    if stateful:
+        raise ValueError(
+            f"{what} cannot run {stateful}: classifier-free guidance (guidance_scale=) keeps an unconditional cache "
+            "of its own, one token a step, which a rejected draft would leave wrong, so the output would differ "
+            "from the target's own. Drop guidance_scale=, or generate without assistant_model="
+        )
 
 
 def suppress_eos(logits: torch.Tensor, processor, lengths: torch.Tensor) -> torch.Tensor:
