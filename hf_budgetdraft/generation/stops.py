@@ -14,13 +14,15 @@ import torch
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
+    MaxTimeCriteria,
     StoppingCriteria,
     StoppingCriteriaList,
 )
 from transformers.generation.streamers import BaseStreamer
 
-# transformers' loop already cuts a round at these
-ROUND_AWARE = (MaxLengthCriteria, EosTokenCriteria)
+# transformers' loop already cuts a round at the first two; a deadline does not depend on the tokens, so a round
+# that ends past it keeps its tokens
+ROUND_AWARE = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
 PER_TOKEN_FIELDS = ("scores", "logits", "attentions", "hidden_states")  # one entry per generated token
 
 

@@ -6,7 +6,7 @@ tokens, the per-token scores and the returned cache."""
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import MaxTimeCriteria, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_budgetdraft.generation.stops import EveryTokenStops
@@ -113,3 +113,11 @@ def test_without_other_criteria_nothing_is_wrapped():
     kwargs = {"stopping_criteria": criteria, "streamer": Collect()}
     assert EveryTokenStops.wrap(kwargs, random_prompt(8)) is None
     assert kwargs["stopping_criteria"] is criteria and isinstance(kwargs["streamer"], Collect)
+
+
+def test_a_deadline_keeps_the_round_it_ends_in():
+    """`max_time` reads the clock, not the tokens: checked at the round's end, as transformers checks it."""
+    criteria = StoppingCriteriaList([MaxTimeCriteria(max_time=0.0), StopOn(5)])
+    kwargs = {"stopping_criteria": criteria}
+    stops = EveryTokenStops.wrap(kwargs, random_prompt(8))
+    assert stops.criteria == [criteria[1]] and isinstance(kwargs["stopping_criteria"][0], MaxTimeCriteria)
