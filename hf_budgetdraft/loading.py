@@ -105,6 +105,8 @@ def _from_pretrained(auto_class, name: str, **kwargs):
     except OSError as error:
         if Path(name).is_dir():
             where = "a local folder"
+        elif name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a hub id is `name` or `owner/name`
+            where = f"a path, but there is no folder at {Path(name).expanduser().resolve()}"
         else:
             offline = (
                 " only (HF_HUB_OFFLINE=1)" if huggingface_hub.constants.HF_HUB_OFFLINE else " or on the hub"

@@ -133,6 +133,12 @@ def test_generate_with_a_hub_id_missing_from_the_cache_fails_offline(hub_cache):
     assert result.returncode != 0 and "someone/absent" in result.stderr
 
 
+@pytest.mark.parametrize("name", ["./no-such-model", "/no/such/model"])
+def test_a_path_with_no_folder_says_so(name):
+    with pytest.raises(OSError, match="a path, but there is no folder at"):
+        load_model(name, LoadFlags())
+
+
 DOORS = """
 import sys
 from hf_budgetdraft.commands.export import ExportArguments, _load
