@@ -18,3 +18,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compile caches are per code object and process-wide: start and leave each compile test clean."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

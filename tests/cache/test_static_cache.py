@@ -169,14 +169,6 @@ def test_contract_exercises_sink_and_ring_steps_and_wraps():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Compile caches are per code object and process-wide: start and leave each compile test clean."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize(
     "cache_class,kwargs",
     [

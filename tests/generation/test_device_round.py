@@ -5,6 +5,7 @@ a failed compilation falls back losslessly without poisoning later compilations.
 
 import pytest
 import torch
+from compile_counter import graph_counter
 from resolved_plans import plan_for
 from test_device_rules import HostReads
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
@@ -26,25 +27,6 @@ SIZES = {
     "sink_window": {"num_sink_tokens": 4, "window_length": 40},
 }
 FULL_ATTENTION = [f for f in FAMILIES if f not in ("gemma2",)]
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def counting_backend():
-    """A `torch.compile` backend that runs each captured graph eagerly and records it (a plain function, so copies
-    of its `CompileConfig` compare equal)."""
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    return backend, graphs
 
 
 def failing_backend(graph_module, example_inputs):
@@ -132,7 +114,7 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
     output the target's own."""
     skip_unless_known(family)
     target, drafter = model_pair(family, "sdpa", num_assistant_tokens=None)
-    backend, graphs = counting_backend()
+    backend, graphs = graph_counter()
     ids = random_prompt(120, seed=3)
     expected = target.generate(ids, do_sample=False, max_new_tokens=30)
     out, stats = speculate_compiled(target, drafter, ids, backend)
@@ -167,7 +149,7 @@ def test_compiled_verification_captures_each_bucket_once_per_process(fresh_dynam
     """Across rounds and calls: one graph per (bucket, cache size), never a recompilation; a second call compiles
     nothing and reuses the static cache of the first."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
-    backend, graphs = counting_backend()
+    backend, graphs = graph_counter()
     ids = random_prompt(150, seed=4)
     expected = target.generate(ids, do_sample=False, max_new_tokens=40)
     records = []
@@ -199,7 +181,7 @@ def test_a_failed_compilation_falls_back_once_and_does_not_poison_later_ones(fre
     assert "forced compile failure" in record["failure"] and record["compiled_calls"] == 0
     assert record["eager_calls"] == stats.rounds
     # a later compilation in the same process, nothing reset in between, compiles and runs
-    backend, graphs = counting_backend()
+    backend, graphs = graph_counter()
     out, stats = speculate_compiled(target, drafter, ids, backend)
     record = stats.runtime["verify"]
     assert torch.equal(out, expected) and record["failure"] is None
@@ -212,7 +194,7 @@ def test_one_host_read_a_round(fresh_dynamo):
     the prefill's mask and EOS checks: the same for a short and a long call), one read a round (the accepted count
     and the EOS position, together)."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
-    backend, _ = counting_backend()
+    backend, _ = graph_counter()
     ids = random_prompt(150, seed=6)
     cuda_like = {"static": True, "lean_step": False}
     speculate_compiled(target, drafter, ids, backend, cache_config=cuda_like, eos_token_id=5)  # compiles
@@ -355,7 +337,7 @@ def test_a_dropped_model_takes_its_state_along(fresh_dynamo):
     from hf_budgetdraft.generation.compiled_step import record_eager_steps
 
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
-    speculate_compiled(target, drafter, random_prompt(80), counting_backend()[0])
+    speculate_compiled(target, drafter, random_prompt(80), graph_counter()[0])
     record_eager_steps(drafter, 1.0)
     assert (
         model_state(target).compiled and model_state(target).free_caches and model_state(drafter).rent == 1.0

@@ -254,13 +254,6 @@ def test_a_round_reads_nothing_from_the_device(cache, sizes, do_sample, draft_le
         assert torch.equal(out, target.generate(ids, **kwargs))
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @needs_traceable_transformers
 def test_a_compiled_round_reads_nothing_from_the_device(fresh_dynamo):
     """The compiled step cannot count on the host; the draft loop hands the count back before each rollback, so

@@ -19,13 +19,6 @@ from hf_budgetdraft.generation.draft_steps import (
 from hf_budgetdraft.generation.spec import DraftSpec
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def static_drafter_and_caches(count: int):
     _, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     drafter.set_attn_implementation(VARLEN)
