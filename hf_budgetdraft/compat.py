@@ -58,6 +58,7 @@ _GENERATION_STEPS = {
         "max_cache_length",
     ),
     "_sample": ("input_ids", "generation_config"),
+    "prepare_inputs_for_generation": ("input_ids", "next_sequence_length", "is_first_iteration"),
 }
 _CANDIDATE_GENERATOR_STEPS = (
     "get_candidates",

@@ -1,7 +1,7 @@
 """The one place that hooks into transformers' `generate()` (the releases it supports: `compat.py`).
 
 `install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
-`"budgeted"` valid and wraps four `GenerationMixin` steps:
+`"budgeted"` valid and wraps five `GenerationMixin` steps:
 
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
@@ -19,6 +19,8 @@
   exact O(1) rollback) when every layer is full attention, else transformers' default; without a draft, the
   target itself runs on the sparse cache (StreamingLLM-style, **lossy**: output can differ from full-cache greedy
   decoding).
+- `prepare_inputs_for_generation`: a speculative call continuing a target cache passed to `generate()` (a prefix
+  prefilled once) feeds its first verification only the tokens that cache does not hold (`generation/prefilled.py`).
 - `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched_loop.py` with no
   draft, so each row's sink / selection is of its own tokens, not of the padding.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from contextvars import ContextVar
 
 import transformers
@@ -62,6 +65,7 @@ from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
+from .generation.prefilled import check_target_cache, continuing, first_round_inputs, is_given
 from .generation.processors import refuse_stateful
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
@@ -295,8 +299,9 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     if plan.device_round:
         return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
     token = _current_plan.set(plan)
+    cache = kwargs.get(CACHE_KWARG)
     try:
-        with plan.applied(self):
+        with plan.applied(self), continuing(self, cache, input_ids) if is_given(cache) else nullcontext():
             return _every_token_stops(stock, self, input_ids, args, kwargs)
     finally:
         _current_plan.reset(token)
@@ -307,7 +312,7 @@ def _every_token_stops(stock, self, input_ids, args, kwargs):
     round rather than at the round's end (`generation/stops.py`), so the output stops where the target's would."""
     stops = EveryTokenStops.wrap(kwargs, input_ids)
     output = stock(self, *args, **kwargs)
-    return output if stops is None else stops.trim(output)
+    return output if stops is None else stops.trim(output, kwargs.get(CACHE_KWARG))
 
 
 def _prepare_cache_for_generation(
@@ -317,6 +322,10 @@ def _prepare_cache_for_generation(
     speculating = (
         name in SPARSE_CACHE_IMPLEMENTATIONS and generation_mode == GenerationMode.ASSISTED_GENERATION
     )
+    given = model_kwargs.get(CACHE_KWARG)
+    if speculating and given is not None:
+        _keep_given_cache(given, generation_config, batch_size)
+        return
     if speculating and _can_use_growable(self, generation_config, model_kwargs):
         # with a draft, the target keeps a full cache (only the draft's is sparse), sized for the whole call
         # (prompt + max_new_tokens): appends in place, never grows unless the call overshoots
@@ -339,6 +348,27 @@ def _prepare_cache_for_generation(
             "draft, run the call inside `with hf_budgetdraft.query_capture(model):`"
         )
     model_kwargs[CACHE_KWARG] = cache
+
+
+def _keep_given_cache(cache, generation_config, rows: int) -> None:
+    """A speculative call continues the target cache its caller passed (`generation/prefilled.py`), marked as
+    transformers marks a caller's cache (returned, never freed)."""
+    if generation_config.use_mtp or generation_config.speculation_type == "dflash":
+        raise ValueError(
+            f"use_mtp=True / speculation_type='dflash' with cache_implementation="
+            f"{generation_config.cache_implementation!r} builds the target's cache itself; drop cache= (pass the "
+            "whole prompt), or draft with assistant_model=, which continues a cache passed to generate()"
+        )
+    spec = DraftSpec.from_cache_config(generation_config.cache_implementation, generation_config.cache_config)
+    check_target_cache(cache, rows, spec.runs_batched(rows))
+    cache._is_user_defined = True
+
+
+def prepare_inputs_for_generation(stock, self, input_ids, *args, **kwargs):
+    """transformers' own, except in a speculative call continuing a prefilled target cache, whose first
+    verification feeds only the tokens the cache does not hold (`generation/prefilled.py`)."""
+    first_round_inputs(input_ids, kwargs)
+    return stock(self, input_ids, *args, **kwargs)
 
 
 def _sample(stock, self, *args, **kwargs):
@@ -386,7 +416,13 @@ def _refusing_generate(message: str):
     return generate
 
 
-STEPS = (_get_candidate_generator, _prepare_cache_for_generation, _assisted_decoding, _sample)
+STEPS = (
+    _get_candidate_generator,
+    _prepare_cache_for_generation,
+    _assisted_decoding,
+    _sample,
+    prepare_inputs_for_generation,
+)
 
 
 def _replacing(step: Callable, stock: Callable) -> Callable:

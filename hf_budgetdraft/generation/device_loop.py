@@ -26,12 +26,14 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..compat import CACHE_KWARG
 from . import draft_length
 from .acceptance import accept_round, sample_on_device
 from .batched_loop import PER_TOKEN_OUTPUTS
 from .draft_length import RoundClock
 from .draft_steps import DraftSteps
 from .plan import DraftPlan
+from .prefilled import is_given
 from .processors import is_blockwise, process_block
 from .static_verify import StaticVerify, give_back, take_cache
 
@@ -55,6 +57,8 @@ def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
         return "a padded prompt"
     if kwargs.get("synced_gpus"):
         return "synced_gpus"
+    if is_given(kwargs.get(CACHE_KWARG)):
+        return "it continues a target cache passed to generate()"
     return None
 
 

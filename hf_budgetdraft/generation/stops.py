@@ -79,11 +79,16 @@ class EveryTokenStops(StoppingCriteria, BaseStreamer):
         self._advance(input_ids)
         return torch.full((input_ids.shape[0],), self.stop_at is not None, device=input_ids.device)
 
-    def trim(self, output):
+    def trim(self, output, cache=None):
         """`output` (ids `(1, L)` or a `GenerateDecoderOnlyOutput`) cut to `stop_at` tokens: the sequence, the
-        per-token outputs and the returned cache, as the target's own call would have left them."""
+        per-token outputs and the target's `cache` (the call's, returned or passed in), as the target's own call would
+        have left them."""
         if self.stop_at is None:
             return output
+        if cache is not None:
+            excess = int(cache.get_seq_length()) - (self.stop_at - 1)
+            if excess > 0:
+                cache.crop(-excess)
         if torch.is_tensor(output):
             return output[:, : self.stop_at]
         new_tokens = self.stop_at - self.prompt
@@ -92,9 +97,4 @@ class EveryTokenStops(StoppingCriteria, BaseStreamer):
             value = getattr(output, name, None)
             if value is not None:
                 setattr(output, name, value[:new_tokens])
-        cache = getattr(output, "past_key_values", None)
-        if cache is not None:
-            excess = int(cache.get_seq_length()) - (self.stop_at - 1)
-            if excess > 0:
-                cache.crop(-excess)
         return output

@@ -62,9 +62,9 @@ def test_a_call_stops_at_the_token_the_targets_own_stops_at(cache, monkeypatch):
     ids = random_prompt(120, seed=4)
     cut, trim = [], EveryTokenStops.trim
 
-    def noting_trim(self, output):
+    def noting_trim(self, output, cache=None):
         cut.append(self.stop_at is not None and self.stop_at < output.shape[1])
-        return trim(self, output)
+        return trim(self, output, cache)
 
     monkeypatch.setattr(EveryTokenStops, "trim", noting_trim)
     for token in _stop_tokens(target, ids):

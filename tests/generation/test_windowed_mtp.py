@@ -5,13 +5,13 @@ import functools
 import pytest
 import torch
 from tiny_models import random_prompt, skip_unless_known, skip_unless_static
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.modeling_layers import MtpModel
 
 from hf_budgetdraft import cache_nbytes, record_speculation
 from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, WindowedMtpCache
-from hf_budgetdraft.compat import output_cache
+from hf_budgetdraft.compat import cache_kwargs, output_cache
 from hf_budgetdraft.generation import windowed_mtp as mtp_module
 from hf_budgetdraft.generation.draft_length import DraftLength
 from hf_budgetdraft.generation.draft_length import factory as draft_length_factory
@@ -378,3 +378,23 @@ def test_bad_mtp_input(tmp_root):
     )
     with pytest.raises(ValueError, match="needs a model with MTP layers"):
         plain.generate(ids, max_new_tokens=4, use_mtp=True, cache_implementation="sink_window")
+
+
+def test_a_prefilled_target_cache_is_refused_with_the_fix(tmp_root):
+    """Windowed MTP builds the target's cache itself; a cache passed in is refused before it is written
+    (`assistant_model=` drafters continue one: tests/generation/test_prefilled.py)."""
+    model = load("glm4_moe", tmp_root)
+    ids = random_prompt(60)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :40], **cache_kwargs(cache))
+    with pytest.raises(ValueError, match="builds the target's cache itself"):
+        generate(
+            model,
+            ids,
+            use_mtp=True,
+            cache_implementation="sink_window",
+            cache_config=WINDOW,
+            **cache_kwargs(cache),
+        )
+    assert cache.get_seq_length() == 40

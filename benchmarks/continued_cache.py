@@ -1,0 +1,182 @@
+"""Questions on one long document prefilled once: the one-liner continuing the document's cache, against plain AR
+continuing it (transformers' prefix caching) and against the one-liner re-reading the whole sequence.
+
+    python benchmarks/continued_cache.py --threads 2 --context-length 8192 --questions 3 --repeats 2
+
+The document is the first `--context-length` tokens of the bundled King John (held out from the demo models'
+training); it is run once through the target into a `DynamicCache`. Question q is the document followed by 32 tokens
+from elsewhere in the play. Per question and repeat, interleaved in a rotating order, each on a fresh copy of the
+document's cache (the copy is made outside the timing):
+
+- `ar`: `target.generate(question, cache=copy)`, the target alone (the reference output);
+- `one_liner`: `generate(question, assistant_model=drafter, cache_implementation="budgeted", cache=copy)`;
+- `one_liner_growable`: the same with the document prefilled into a `GrowableCache` instead;
+- `one_liner_reread`: the one-liner on the whole sequence with no cache (the document prefilled again).
+
+Each call's wall time (from the call to its last token) and decode rate (after its first emitted chunk); the ratios
+are per question and repeat, medians over them. Every output must be the reference's. Writes
+`benchmarks/results/continued_cache.{json,md}`. Run it alone: a second busy process stalls torch's threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from hf_budgetdraft.cache import GrowableCache
+from hf_budgetdraft.compat import cache_kwargs
+from hf_budgetdraft.demo import load_demo_models
+from hf_budgetdraft.demo.documents import DEMO_TEXT
+from hf_budgetdraft.runs.timed_call import timed_generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record, run_text  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUESTION_TOKENS = 32
+VARIANTS = ("ar", "one_liner", "one_liner_growable", "one_liner_reread")
+
+
+def prefill(target, document: torch.LongTensor, cache) -> None:
+    with torch.no_grad():
+        target(document, **cache_kwargs(cache))
+
+
+def questions(tokens: torch.LongTensor, context_length: int, count: int) -> list[torch.LongTensor]:
+    """`count` prompts `(1, context_length + 32)`: the document, then 32 tokens from further on in the play."""
+    stride = (tokens.shape[1] - context_length - QUESTION_TOKENS) // max(count, 1)
+    if stride < QUESTION_TOKENS:
+        raise ValueError(
+            f"the play has {tokens.shape[1]} tokens: too few for {count} questions after {context_length}"
+        )
+    document = tokens[:, :context_length]
+    starts = [context_length + stride * q for q in range(count)]
+    return [torch.cat([document, tokens[:, s : s + QUESTION_TOKENS]], dim=1) for s in starts]
+
+
+def one_call(variant: str, pair, question, caches: dict, new_tokens: int):
+    speculative = dict(assistant_model=pair.drafter, cache_implementation="budgeted")
+    if variant == "ar":
+        return timed_generate(
+            pair.target, question, new_tokens, **cache_kwargs(copy.deepcopy(caches["dynamic"]))
+        )
+    if variant == "one_liner":
+        cache = copy.deepcopy(caches["dynamic"])
+    elif variant == "one_liner_growable":
+        cache = copy.deepcopy(caches["growable"])
+    else:
+        cache = None
+    extra = {} if cache is None else cache_kwargs(cache)
+    return timed_generate(pair.target, question, new_tokens, **speculative, **extra)
+
+
+def measure(pair, prompts, new_tokens: int, repeats: int) -> list[dict]:
+    document = prompts[0][:, : prompts[0].shape[1] - QUESTION_TOKENS]
+    caches = {
+        "dynamic": DynamicCache(config=pair.target.config),
+        "growable": GrowableCache(config=pair.target.config, initial_capacity=document.shape[1] + 1024),
+    }
+    for cache in caches.values():
+        prefill(pair.target, document, cache)
+    one_call("one_liner", pair, prompts[0], caches, 8)  # warm-up: every path's first call
+    rows = []
+    for repeat in range(repeats):
+        for q, question in enumerate(prompts):
+            shift = (repeat * len(prompts) + q) % len(VARIANTS)
+            order = VARIANTS[shift:] + VARIANTS[:shift]
+            runs = {variant: one_call(variant, pair, question, caches, new_tokens) for variant in order}
+            reference = runs["ar"].new_ids
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "question": q,
+                    **{
+                        v: {
+                            "seconds": run.seconds,
+                            "decode_tokens_per_s": run.decode_tokens_per_second or run.tokens_per_second,
+                            "identical": bool(torch.equal(run.new_ids, reference)),
+                            "tokens_per_round": run.stats.mean_accepted_length if run.stats.rounds else None,
+                        }
+                        for v, run in runs.items()
+                    },
+                }
+            )
+            print(repeat, q, {v: round(r.seconds, 2) for v, r in runs.items()}, flush=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    def median_ratio(top: str, bottom: str, field: str, invert: bool = False) -> float:
+        ratios = [r[top][field] / r[bottom][field] for r in rows]
+        return statistics.median([1 / x for x in ratios] if invert else ratios)
+
+    return {
+        "identical": all(r[v]["identical"] for r in rows for v in VARIANTS),
+        "seconds": {v: statistics.median(r[v]["seconds"] for r in rows) for v in VARIANTS},
+        "decode_speedup_vs_ar": {v: median_ratio(v, "ar", "decode_tokens_per_s") for v in VARIANTS[1:]},
+        "call_speedup_vs_ar": {v: median_ratio(v, "ar", "seconds", invert=True) for v in VARIANTS[1:]},
+        "reread_over_continued_seconds": median_ratio("one_liner_reread", "one_liner", "seconds"),
+    }
+
+
+def table(result: dict) -> str:
+    s, meta = result["summary"], result["meta"]
+    lines = [
+        f"# One document, many questions: continuing its cache ({meta['context_length']} tokens, "
+        f"{meta['new_tokens']} new tokens)",
+        "",
+        f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. "
+        f"Every output identical to AR's: {s['identical']}.",
+        "",
+        "| call | seconds | decode vs AR | call vs AR |",
+        "|---|---|---|---|",
+        f"| ar (continues a DynamicCache) | {s['seconds']['ar']:.2f} | 1.00x | 1.00x |",
+    ]
+    for v in VARIANTS[1:]:
+        lines.append(
+            f"| {v} | {s['seconds'][v]:.2f} | {s['decode_speedup_vs_ar'][v]:.2f}x | {s['call_speedup_vs_ar'][v]:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Re-reading the document costs {s['reread_over_continued_seconds']:.1f}x the continued call.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context-length", type=int, default=8192)
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "continued_cache")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pair = load_demo_models()
+    tokens = pair.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
+    prompts = questions(tokens, args.context_length, args.questions)
+    rows = measure(pair, prompts, args.new_tokens, args.repeats)
+    meta = {
+        **run_record(args.threads),
+        **{k: getattr(args, k) for k in ("context_length", "questions", "new_tokens", "repeats")},
+    }
+    result = {"meta": meta, "summary": summary(rows), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(table(result))
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
