@@ -103,6 +103,8 @@ def measure(pair, prompts, new_tokens: int, repeats: int) -> list[dict]:
                             "decode_tokens_per_s": run.decode_tokens_per_second or run.tokens_per_second,
                             "identical": bool(torch.equal(run.new_ids, reference)),
                             "tokens_per_round": run.stats.mean_accepted_length if run.stats.rounds else None,
+                            "first_token_seconds": run.first_token_seconds,
+                            "draft_prefill_seconds": run.stats.draft_prefill_seconds,
                         }
                         for v, run in runs.items()
                     },
@@ -120,6 +122,12 @@ def summary(rows: list[dict]) -> dict:
     return {
         "identical": all(r[v]["identical"] for r in rows for v in VARIANTS),
         "seconds": {v: statistics.median(r[v]["seconds"] for r in rows) for v in VARIANTS},
+        "first_token_seconds": {
+            v: statistics.median(r[v]["first_token_seconds"] for r in rows) for v in VARIANTS
+        },
+        "draft_prefill_seconds": {
+            v: statistics.median(r[v]["draft_prefill_seconds"] for r in rows) for v in VARIANTS[1:]
+        },
         "decode_speedup_vs_ar": {v: median_ratio(v, "ar", "decode_tokens_per_s") for v in VARIANTS[1:]},
         "call_speedup_vs_ar": {v: median_ratio(v, "ar", "seconds", invert=True) for v in VARIANTS[1:]},
         "reread_over_continued_seconds": median_ratio("one_liner_reread", "one_liner", "seconds"),
@@ -135,13 +143,15 @@ def table(result: dict) -> str:
         f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. "
         f"Every output identical to AR's: {s['identical']}.",
         "",
-        "| call | seconds | decode vs AR | call vs AR |",
-        "|---|---|---|---|",
-        f"| ar (continues a DynamicCache) | {s['seconds']['ar']:.2f} | 1.00x | 1.00x |",
+        "| call | seconds | first token (s) | drafter prefill (s) | decode vs AR | call vs AR |",
+        "|---|---|---|---|---|---|",
+        f"| ar (continues a DynamicCache) | {s['seconds']['ar']:.2f} | {s['first_token_seconds']['ar']:.2f} | - "
+        "| 1.00x | 1.00x |",
     ]
     for v in VARIANTS[1:]:
         lines.append(
-            f"| {v} | {s['seconds'][v]:.2f} | {s['decode_speedup_vs_ar'][v]:.2f}x | {s['call_speedup_vs_ar'][v]:.2f}x |"
+            f"| {v} | {s['seconds'][v]:.2f} | {s['first_token_seconds'][v]:.2f} | {s['draft_prefill_seconds'][v]:.2f} "
+            f"| {s['decode_speedup_vs_ar'][v]:.2f}x | {s['call_speedup_vs_ar'][v]:.2f}x |"
         )
     lines += [
         "",
