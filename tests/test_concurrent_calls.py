@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from hf_budgetdraft.attention.scoped import model_configs
+from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.cpu.few_row_linear import runs_few_row
 
 NEW = 12
@@ -62,9 +63,18 @@ def _speculative(drafter, cache: str = "budgeted", **cache_config) -> dict:
     }
 
 
+def _continued(target, drafter) -> dict:
+    """The one-liner continuing a cache its caller prefilled with the prompt's first 200 tokens."""
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(random_prompt(300)[:, :200], **cache_kwargs(cache))
+    return {**_speculative(drafter), **cache_kwargs(cache)}
+
+
 CALLS = {
     "plain": lambda t, d: {},
     "budgeted": lambda t, d: _speculative(d),
+    "continued": _continued,
     "sink_window": lambda t, d: _speculative(d, "sink_window", num_sink_tokens=8, window_length=64),
     "self_draft": lambda t, d: _speculative(t),
     "batched": lambda t, d: _speculative(d),
@@ -95,7 +105,8 @@ def alone(pair):
     loaded = [_state(m) for m in pair]
     outputs = {name: _run(pair, name) for name in CALLS}
     assert [_state(m) for m in pair] == loaded
-    assert all(torch.equal(outputs[n], outputs["plain"]) for n in ("budgeted", "sink_window", "self_draft"))
+    same = ("budgeted", "continued", "sink_window", "self_draft")
+    assert all(torch.equal(outputs[n], outputs["plain"]) for n in same)
     return outputs
 
 
@@ -106,14 +117,14 @@ def _start(pair, name: str, pause: _Pause, results: dict) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("held", ["budgeted", "self_draft", "batched"])
+@pytest.mark.parametrize("held", ["budgeted", "continued", "self_draft", "batched"])
 def test_a_call_in_flight_changes_nothing_another_thread_sees(pair, alone, held):
     loaded = [_state(m) for m in pair]
     pause, results = _Pause(), {}
     thread = _start(pair, held, pause, results)
     try:
         assert [_state(m) for m in pair] == loaded  # seen from this thread while the call is held
-        for name in ("plain", "sink_window", "budgeted"):
+        for name in ("plain", "sink_window", "budgeted", "continued"):
             assert torch.equal(_run(pair, name), alone[name]), name
     finally:
         pause.resume.set()

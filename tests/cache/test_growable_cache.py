@@ -214,6 +214,8 @@ def test_target_cache_when_speculating():
     assert type(out.cache) is DynamicCache
     # plain AR and stock assisted generation are untouched
     assert type(target.generate(ids, max_new_tokens=2, return_dict_in_generate=True).cache) is DynamicCache
-    with pytest.raises(ValueError, match="Passing both"):
-        target.generate(ids, **{**kwargs, "cache": DynamicCache(config=target.config)})
+    given = DynamicCache(
+        config=target.config
+    )  # a cache the caller passes is kept (tests/generation/test_prefilled.py)
+    assert target.generate(ids, **{**kwargs, "cache": given}).cache is given
     assert hf_budgetdraft.GrowableCache is GrowableCache and "GrowableCache" in hf_budgetdraft.__all__
