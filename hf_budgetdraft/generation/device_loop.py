@@ -14,8 +14,9 @@ check, the finished flag) and verifies through an eager forward on a cache whose
 
 Greedy output is the target's own (it is the target's argmax at every position); sampling keeps its
 distribution (Leviathan et al., arXiv 2211.17192). The loop does what most calls ask (greedy or sampling, the
-blockwise logits processors, `max_length` and EOS, a streamer); a call asking for more (`unsupported`) runs
-transformers' loop instead.
+blockwise logits processors, `max_length` and EOS, a streamer, a target cache passed to `generate()`: loaded into the
+static cache, then given what the call added); a call asking for more (`unsupported`) runs transformers' loop
+instead.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..compat import CACHE_KWARG
+from ..compat import CACHE_KWARG, cache_kwargs
 from . import draft_length
 from .acceptance import accept_round, sample_on_device
 from .batched_loop import PER_TOKEN_OUTPUTS
 from .draft_length import RoundClock
 from .draft_steps import DraftSteps
 from .plan import DraftPlan
-from .prefilled import is_given
+from .prefilled import check_prompt_extends, is_given
 from .processors import is_blockwise, process_block
 from .static_verify import StaticVerify, give_back, take_cache
 
@@ -57,8 +58,6 @@ def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
         return "a padded prompt"
     if kwargs.get("synced_gpus"):
         return "synced_gpus"
-    if is_given(kwargs.get(CACHE_KWARG)):
-        return "it continues a target cache passed to generate()"
     return None
 
 
@@ -156,20 +155,27 @@ class DeviceRound:
 
     # -- the call ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, input_ids: torch.LongTensor, streamer=None, stats=None) -> torch.LongTensor:
-        """Generate after `input_ids (1, P)`; `(1, P + n)`."""
+    def run(self, input_ids: torch.LongTensor, streamer=None, stats=None, given=None) -> torch.LongTensor:
+        """Generate after `input_ids (1, P)`; `(1, P + n)`. `given`: a cache the caller passed, holding the prompt's
+        first tokens: loaded into the static cache, then given what the call added (not if the call fails)."""
         prompt = input_ids.shape[1]
         budget = self.config.max_length - prompt
         if budget <= 0:
             return input_ids
+        cached = 0 if given is None else given.get_seq_length()
         cache = take_cache(self.target, prompt + budget + self.most + 1)
         try:
             self.verify = StaticVerify(self.target, cache, self.plan.verify_compile_config, self.most + 1)
-            return self._generate(input_ids, budget, streamer, stats)
+            if cached:
+                self.verify.load(given, cached)
+            sequences = self._generate(input_ids, budget, streamer, stats, cached)
+            if given is not None:
+                self.verify.store(given, cached, sequences.shape[1] - 1)
+            return sequences
         finally:
             give_back(self.target, cache)
 
-    def _generate(self, input_ids, budget: int, streamer, stats) -> torch.LongTensor:
+    def _generate(self, input_ids, budget: int, streamer, stats, cached: int) -> torch.LongTensor:
         prompt = input_ids.shape[1]
         # (1, capacity): the prompt, then the new tokens (a round writes up to γ + 1 past the budget)
         tokens = input_ids.new_zeros(1, prompt + budget + self.most + 1)
@@ -177,7 +183,7 @@ class DeviceRound:
         self.clock = RoundClock(self.draft_length, input_ids.device)
         self.draft_seen = 0
         start = time.perf_counter()
-        first = self._pick(self._process(self.verify.prefill(input_ids)[:, None], prompt))  # (1, 1)
+        first = self._pick(self._process(self.verify.prefill(input_ids, cached)[:, None], prompt))  # (1, 1)
         self.verify.capture(prompt)
         tokens[:, prompt : prompt + 1] = first
         stop = self.eos is not None and bool(torch.isin(first[0], self.eos).any())
@@ -210,12 +216,17 @@ def run_device_round(
     target, drafter, plan: DraftPlan, input_ids, generation_config, kwargs: dict, stats=None
 ):
     """`_assisted_decoding` as the device round: run it, shape the result as transformers would."""
+    given = kwargs.get(CACHE_KWARG) if is_given(kwargs.get(CACHE_KWARG)) else None
+    if given is not None:
+        check_prompt_extends(given.get_seq_length(), input_ids)
     round_ = DeviceRound(target, drafter, plan, generation_config, kwargs.get("logits_processor"))
     if stats is not None:
         stats.candidate_generator = round_
-    sequences = round_.run(input_ids, kwargs.get("streamer"), stats)
+    sequences = round_.run(input_ids, kwargs.get("streamer"), stats, given)
     if stats is not None:
         stats.draft_prefill_seconds += round_.draft_prefill_seconds
     if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences, **({} if given is None else cache_kwargs(given))
+        )
     return sequences

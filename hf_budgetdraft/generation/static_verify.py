@@ -16,7 +16,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import CompileConfig, StaticCache
+from transformers import Cache, CompileConfig, StaticCache
 from transformers.utils import logging
 
 from ..compat import cache_kwargs
@@ -150,13 +150,26 @@ class StaticVerify:
             self.target, input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True
         ).logits
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Feed the prompt `ids (1, P)` eagerly in chunks; the last position's logits `(1, V)` float32."""
+    def prefill(self, ids: torch.Tensor, cached: int = 0) -> torch.Tensor:
+        """Feed the prompt `ids (1, P)` past its first `cached` tokens (already `load`ed) eagerly in chunks; the last
+        position's logits `(1, V)` float32."""
         logits = None
-        for start in range(0, ids.shape[1], PREFILL_CHUNK):
+        for start in range(cached, ids.shape[1], PREFILL_CHUNK):
             chunk = ids[:, start : start + PREFILL_CHUNK]
             logits = self._forward(_call, chunk, start)[:, -1]
         return logits.float()
+
+    def load(self, given: Cache, tokens: int) -> None:
+        """Copy the first `tokens` positions of every layer of `given` (a cache the caller passed) into the static
+        cache, which then holds them."""
+        for index, layer in enumerate(given.layers):
+            self.cache.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], index)
+
+    def store(self, given: Cache, begin: int, end: int) -> None:
+        """Append positions `[begin, end)` of the static cache to `given`, which held `begin` tokens: it then holds
+        what the target's own call would have left in it."""
+        for index, layer in enumerate(self.cache.layers):
+            given.update(layer.keys[:, :, begin:end], layer.values[:, :, begin:end], index)
 
     def capture(self, start: int) -> None:
         """Compile every bucket this process has not compiled yet, now (after the prefill, before the first round):

@@ -9,6 +9,7 @@ from test_stops import StopOn
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
 from transformers import DynamicCache, LlamaForCausalLM, StoppingCriteriaList
 
+from hf_budgetdraft import record_speculation
 from hf_budgetdraft.cache import SinkWindowCache
 from hf_budgetdraft.compat import CACHE_KWARG, cache_kwargs, output_cache
 from hf_budgetdraft.generation import prefilled
@@ -92,15 +93,51 @@ def test_an_empty_cache_passed_in_is_filled_and_returned():
     assert cache.get_seq_length() == out.shape[1] - 1
 
 
-def test_the_device_round_leaves_a_continued_cache_to_transformers_loop():
-    """Where the device round is the default (CUDA), such a call runs transformers' loop (`device_loop.unsupported`
-    says why); asked for, the device round is refused."""
+def test_the_device_round_continues_a_cache_through_its_static_one():
+    """The device round (the default on CUDA) loads the caller's cache into its static cache and gives it back
+    what the call added."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(150, seed=3)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    cache = prefilled_cache(target, ids[:, :100])
+    fed = FedLengths(target)
+    with record_speculation() as stats:
+        out = speculate(
+            target, drafter, ids, cache, cache_config={"device_round": True}, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences, expected) and stats.runtime["loop"] == "device_round"
+    assert fed.lengths[0] == 50 and output_cache(out) is cache
+    reference = prefilled_cache(target, expected[:, :-1])
+    assert cache.get_seq_length() == expected.shape[1] - 1
+    for layer, same in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.keys, same.keys, rtol=1e-4, atol=1e-5)
+
+
+class FailingStreamer:
+    """Raises at its third `put` (the prompt, then two rounds)."""
+
+    def __init__(self):
+        self.puts = 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 3:
+            raise RuntimeError("the caller stopped")
+
+    def end(self):
+        pass
+
+
+def test_a_failed_device_round_leaves_the_given_cache_as_it_was():
     target, drafter = model_pair("llama", "sdpa", draft_layers=1)
     ids = random_prompt(150, seed=3)
     cache = prefilled_cache(target, ids[:, :100])
-    with pytest.raises(ValueError, match="continues a target cache passed to generate"):
-        speculate(target, drafter, ids, cache, cache_config={"device_round": True})
-    assert cache.get_seq_length() == 100
+    keys = cache.layers[0].keys.clone()
+    with pytest.raises(RuntimeError, match="the caller stopped"):
+        speculate(
+            target, drafter, ids, cache, cache_config={"device_round": True}, streamer=FailingStreamer()
+        )
+    assert cache.get_seq_length() == 100 and torch.equal(cache.layers[0].keys, keys)
 
 
 def test_a_cache_holding_the_whole_prompt_is_refused_untouched():
