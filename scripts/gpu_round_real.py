@@ -1,7 +1,7 @@
 """The `real` part of `gpu_round.py`: the bundled pair on the device.
 
 Every path (the one-liner's defaults, transformers' loop, both draft caches static and dynamic, the verification
-eager, a left-padded batch of 4) against the target's own greedy output: fp32 with TF32 off (identical, or a first
+eager, the one-liner continuing a prefilled cache, a left-padded batch of 4) against the target's own greedy output: fp32 with TF32 off (identical, or a first
 divergence at a target margin under `FP32_MARGIN`), bf16 (a first divergence only at an argmax near-tie). Then the
 one-liner against (b), `generate(cache_implementation="static")`, at 8K in bf16 with a round's exposed host time:
 with models this small the round is nearly all host time, so this is the direct measure of the loop's overhead.
@@ -13,8 +13,10 @@ import statistics
 
 import gpu_round_rows as rows
 import torch
+from transformers import DynamicCache
 
 from hf_budgetdraft import record_speculation
+from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.runs.token_diff import divergence_margin, token_diff
@@ -44,7 +46,7 @@ def _prompts(tokenizer, context: int, device) -> tuple[torch.Tensor, list[torch.
     return ids[-context:][None].to(device), [r.to(device) for r in rows_]
 
 
-def _call(target, drafter, ids, new_tokens, cache, cache_config, smoke: bool, **kwargs):
+def _call(target, drafter, ids, new_tokens, implementation, cache_config, smoke: bool, **kwargs):
     if smoke and cache_config.get("device_round") is not False:  # CPU: compile without inductor
         kwargs["compile_config"] = rows.smoke_one_liner()["compile_config"]
     with record_speculation() as stats:
@@ -53,7 +55,7 @@ def _call(target, drafter, ids, new_tokens, cache, cache_config, smoke: bool, **
             assistant_model=drafter,
             do_sample=False,
             max_new_tokens=new_tokens,
-            cache_implementation=cache,
+            cache_implementation=implementation,
             cache_config=cache_config,
             **kwargs,
         )
@@ -109,8 +111,28 @@ def identity(report, target, drafter, prompts, dtype_name: str, smoke: bool, siz
         row = _judge(report, target, ids, f"real.{dtype_name}.{path}", out, reference, tolerance)
         row.update(runtime=stats.runtime, tokens_a_round=stats.mean_accepted_length)
         result[path] = row
+    result["continued_cache"] = _continued(report, target, drafter, ids, reference, dtype_name, smoke, sizes)
     result["batch_of_4"] = _batch(report, target, drafter, batch_rows, sizes, dtype_name, tolerance)
     return result
+
+
+def _continued(report, target, drafter, ids, reference, dtype_name: str, smoke: bool, sizes: dict) -> dict:
+    """The one-liner (its defaults: the device round on CUDA; forced in the CPU smoke) continuing a cache
+    prefilled with all but the prompt's last 64 tokens, against the target's own output on the whole prompt."""
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(ids[:, :-64], **cache_kwargs(cache))
+    config = {"device_round": True} if smoke else {}
+    out, stats = _call(
+        target, drafter, ids, sizes["new_tokens"], "budgeted", config, smoke, **cache_kwargs(cache)
+    )
+    tolerance = FP32_MARGIN if dtype_name == "float32" else BF16_MARGIN
+    name = f"real.{dtype_name}.continued_cache"
+    row = _judge(report, target, ids, name, out, reference, tolerance)
+    row.update(runtime=stats.runtime, cache_tokens=cache.get_seq_length(), output_tokens=out.shape[1])
+    report.check(f"{name}_length", cache.get_seq_length() == out.shape[1] - 1, row)
+    report.check(f"{name}_device_round", (stats.runtime or {}).get("loop") == "device_round")
+    return row
 
 
 def speed(report, target, drafter, ids, smoke: bool, sizes: dict) -> dict:
