@@ -20,7 +20,8 @@
   target itself runs on the sparse cache (StreamingLLM-style, **lossy**: output can differ from full-cache greedy
   decoding).
 - `prepare_inputs_for_generation`: a speculative call continuing a target cache passed to `generate()` (a prefix
-  prefilled once) feeds its first verification only the tokens that cache does not hold (`generation/prefilled.py`).
+  prefilled once), or prefilled in `prefill_chunk_size` chunks, feeds its first verification only the tokens that
+  cache does not hold (`generation/prefilled.py`).
 - `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched_loop.py` with no
   draft, so each row's sink / selection is of its own tokens, not of the padding.
 
@@ -65,7 +66,7 @@ from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
-from .generation.prefilled import check_target_cache, continuing, first_round_inputs, is_given
+from .generation.prefilled import check_target_cache, continuing, first_round_inputs
 from .generation.processors import refuse_stateful
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
@@ -299,9 +300,14 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     if plan.device_round:
         return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
     token = _current_plan.set(plan)
-    cache = kwargs.get(CACHE_KWARG)
+    cache, mask = kwargs.get(CACHE_KWARG), kwargs.get("attention_mask")
+    # transformers' prefill_chunk_size, which its assisted loop ignores (a padded row keeps the one-forward prefill)
+    chunk = generation_config.prefill_chunk_size if mask is None or bool(mask.all()) else None
     try:
-        with plan.applied(self), continuing(self, cache, input_ids) if is_given(cache) else nullcontext():
+        with (
+            plan.applied(self),
+            continuing(self, cache, input_ids, chunk) if cache is not None else nullcontext(),
+        ):
             return _every_token_stops(stock, self, input_ids, args, kwargs)
     finally:
         _current_plan.reset(token)

@@ -183,7 +183,11 @@ class DeviceRound:
         self.clock = RoundClock(self.draft_length, input_ids.device)
         self.draft_seen = 0
         start = time.perf_counter()
-        first = self._pick(self._process(self.verify.prefill(input_ids, cached)[:, None], prompt))  # (1, 1)
+        first = self._pick(
+            self._process(
+                self.verify.prefill(input_ids, cached, self.config.prefill_chunk_size)[:, None], prompt
+            )
+        )  # (1, 1)
         self.verify.capture(prompt)
         tokens[:, prompt : prompt + 1] = first
         stop = self.eos is not None and bool(torch.isin(first[0], self.eos).any())

@@ -7,11 +7,16 @@ its output is no longer its own. Inside `continuing(cache)`, the first verificat
 tokens the cache does not hold (`first_round_inputs`, called from `GenerationMixin.prepare_inputs_for_generation`);
 the drafter reads the whole prompt on its own sparse cache, as in any call. The scope is a `ContextVar` holding
 that one cache: other calls, other threads and the drafter's own forwards are untouched.
+
+The same scope gives speculative calls transformers' `prefill_chunk_size`, which its assisted loop ignores (its
+first verification feeds the whole prompt in one forward): the prompt is fed in chunks first, and the first
+verification continues from there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -19,9 +24,9 @@ import torch
 from transformers import Cache
 
 from ..cache import SparseDraftCache
-from ..compat import CACHE_KWARG
+from ..compat import CACHE_KWARG, cache_kwargs
 
-# (the target cache a call continues, the tokens it held when the call began)
+# (the target cache a call continues, the tokens it holds when transformers' loop starts)
 _continued: ContextVar[tuple[Cache, int] | None] = ContextVar("budgetdraft_continued_cache", default=None)
 
 
@@ -62,28 +67,50 @@ def check_prompt_extends(cached: int, input_ids: torch.LongTensor) -> None:
 
 
 @contextlib.contextmanager
-def continuing(target, cache: Cache, input_ids: torch.LongTensor) -> Iterator[None]:
-    """Run the call's first verification on the tokens past `cache`'s length only; refuse a target whose
-    `prepare_inputs_for_generation` never reaches transformers' own (it would feed the whole prompt again)."""
+def continuing(target, cache: Cache, input_ids: torch.LongTensor, chunk: int | None = None) -> Iterator[None]:
+    """Run the call's first verification on the tokens past `cache`'s length only. With `chunk` (transformers'
+    `prefill_chunk_size`), first feed the prompt's uncached tokens but the last into `cache` in chunks of at most
+    `chunk` (the first verification then feeds the last token and the round's drafts), as transformers' own prefill
+    does: a long prompt's activations stay bounded. A target whose `prepare_inputs_for_generation` never reaches
+    transformers' own is refused before the cache is written (it would feed the whole prompt again)."""
     cached = cache.get_seq_length()
-    if cached == 0:
+    check_prompt_extends(cached, input_ids)
+    chunked = chunk is not None and input_ids.shape[1] - cached > chunk
+    held = input_ids.shape[1] - 1 if chunked else cached  # what the cache holds when the loop starts
+    if held == 0:
         yield
         return
-    check_prompt_extends(cached, input_ids)
-    token = _continued.set((cache, cached))
+    token = _continued.set((cache, held))
     try:
-        probe = target.prepare_inputs_for_generation(
-            input_ids, next_sequence_length=None, is_first_iteration=True, **{CACHE_KWARG: cache}
-        )
-        fed = probe.get("input_ids")
-        if fed is None or fed.shape[-1] != input_ids.shape[-1] - cached:
-            raise ValueError(
-                f"{type(target).__name__}.prepare_inputs_for_generation does not reach transformers' own, so a "
-                "speculative call cannot continue a prefilled cache on it; pass the whole prompt without cache="
-            )
+        _check_inputs_are_sliced(target, cache, input_ids, held)
+        if chunked:
+            _prefill(target, cache, input_ids[:, :held], cached, chunk)
         yield
     finally:
         _continued.reset(token)
+
+
+def _check_inputs_are_sliced(target, cache: Cache, input_ids: torch.LongTensor, held: int) -> None:
+    probe = target.prepare_inputs_for_generation(
+        input_ids, next_sequence_length=None, is_first_iteration=True, **{CACHE_KWARG: cache}
+    )
+    fed = probe.get("input_ids")
+    if fed is None or fed.shape[-1] != input_ids.shape[-1] - held:
+        raise ValueError(
+            f"{type(target).__name__}.prepare_inputs_for_generation does not reach transformers' own, so a "
+            "speculative call cannot start from a prefilled cache on it; pass the whole prompt, without cache= "
+            "or prefill_chunk_size="
+        )
+
+
+@torch.no_grad()
+def _prefill(target, cache: Cache, ids: torch.LongTensor, start: int, chunk: int) -> None:
+    """Feed `ids[:, start:] (1, n)` into `cache` at positions `start ...`, `chunk` tokens a forward."""
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    for begin in range(start, ids.shape[1], chunk):
+        piece = ids[:, begin : begin + chunk]
+        positions = torch.arange(begin, begin + piece.shape[1], device=ids.device)[None]
+        target(input_ids=piece, position_ids=positions, use_cache=True, **cache_kwargs(cache), **keep)
 
 
 def first_round_inputs(input_ids: torch.LongTensor, kwargs: dict) -> None:

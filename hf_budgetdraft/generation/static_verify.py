@@ -150,13 +150,13 @@ class StaticVerify:
             self.target, input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True
         ).logits
 
-    def prefill(self, ids: torch.Tensor, cached: int = 0) -> torch.Tensor:
-        """Feed the prompt `ids (1, P)` past its first `cached` tokens (already `load`ed) eagerly in chunks; the last
-        position's logits `(1, V)` float32."""
+    def prefill(self, ids: torch.Tensor, cached: int = 0, chunk: int | None = None) -> torch.Tensor:
+        """Feed the prompt `ids (1, P)` past its first `cached` tokens (already `load`ed) eagerly, `chunk` tokens
+        (default `PREFILL_CHUNK`) a forward; the last position's logits `(1, V)` float32."""
+        chunk = chunk or PREFILL_CHUNK
         logits = None
-        for start in range(cached, ids.shape[1], PREFILL_CHUNK):
-            chunk = ids[:, start : start + PREFILL_CHUNK]
-            logits = self._forward(_call, chunk, start)[:, -1]
+        for start in range(cached, ids.shape[1], chunk):
+            logits = self._forward(_call, ids[:, start : start + chunk], start)[:, -1]
         return logits.float()
 
     def load(self, given: Cache, tokens: int) -> None:

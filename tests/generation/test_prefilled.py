@@ -1,7 +1,8 @@
 """A speculative call that continues a target cache passed to `generate()` (`generation/prefilled.py`): a prefix
 prefilled once, then several calls, or one call's returned cache continued by the next turn. Its output is the
 target's own on the whole sequence, its first verification feeds only the tokens the cache does not hold, and what it
-cannot continue is refused before the cache is written."""
+cannot continue is refused before the cache is written. The same scope runs `prefill_chunk_size`'s chunked prefill,
+which transformers' assisted loop ignores."""
 
 import pytest
 import torch
@@ -219,3 +220,47 @@ def test_a_stop_inside_a_round_trims_the_continued_cache():
     cache = prefilled_cache(target, ids[:, :120])
     out = speculate(target, drafter, ids, cache, stopping_criteria=criteria)
     assert torch.equal(out, expected) and cache.get_seq_length() == out.shape[1] - 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_prefill_chunk_size_bounds_every_prefill_forward(family, name):
+    """transformers' assisted loop feeds the whole prompt in its first verification whatever `prefill_chunk_size`
+    says; a speculative call feeds it in chunks, as the target's own call does."""
+    attention = "sdpa" if supports(family, "sdpa") else "eager"
+    target, drafter = model_pair(family, attention, draft_layers=1)
+    ids = random_prompt(150, seed=4)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    fed = FedLengths(target)
+    out = speculate(target, drafter, ids, None, name, prefill_chunk_size=40)
+    assert torch.equal(out, expected)
+    assert fed.lengths[:4] == [40, 40, 40, 29] and fed.lengths[4] <= 1 + 3  # then the last token and drafts
+
+
+def test_prefill_chunk_size_continues_from_a_given_cache():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(150, seed=4)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    cache = prefilled_cache(target, ids[:, :60])
+    fed = FedLengths(target)
+    assert torch.equal(speculate(target, drafter, ids, cache, prefill_chunk_size=40), expected)
+    assert fed.lengths[:3] == [40, 40, 9]
+
+
+def test_the_device_round_prefills_in_the_calls_chunks():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(150, seed=4)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    fed = FedLengths(target)
+    out = speculate(target, drafter, ids, None, cache_config={"device_round": True}, prefill_chunk_size=64)
+    assert torch.equal(out, expected) and fed.lengths[:3] == [64, 64, 22]
+
+
+def test_a_padded_row_keeps_the_one_forward_prefill():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(150, seed=4)
+    mask = torch.ones_like(ids)
+    mask[:, :5] = 0
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
+    out = speculate(target, drafter, ids, None, attention_mask=mask, prefill_chunk_size=40)
+    assert torch.equal(out, expected)
