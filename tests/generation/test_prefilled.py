@@ -67,9 +67,8 @@ def test_a_prefix_prefilled_once_is_continued_as_the_targets_own_call(family, na
     out = speculate(target, drafter, ids, cache, name)
     assert torch.equal(out, expected)
     assert 30 <= fed.lengths[0] <= 30 + 3  # the 30 tokens the cache lacks, then the round's drafts
-    assert (
-        cache.get_seq_length() == out.shape[1] - 1
-    )  # the caller's cache, continued, holds the whole sequence
+    # the caller's cache, continued, holds the whole sequence
+    assert cache.get_seq_length() == out.shape[1] - 1
 
 
 def test_the_next_turn_continues_the_cache_a_call_returned():
