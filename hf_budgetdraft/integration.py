@@ -332,7 +332,7 @@ def _prepare_cache_for_generation(
     if speculating and given is not None:
         _keep_given_cache(given, generation_config, batch_size)
         return
-    if speculating and _can_use_growable(self, generation_config, model_kwargs):
+    if speculating and _can_use_growable(self, generation_config):
         # with a draft, the target keeps a full cache (only the draft's is sparse), sized for the whole call
         # (prompt + max_new_tokens): appends in place, never grows unless the call overshoots
         capacity = min(max(1, max_cache_length), MAX_CACHE_TOKENS)
@@ -390,16 +390,16 @@ def _sample(stock, self, *args, **kwargs):
     return stock(self, *args, **kwargs)
 
 
-def _can_use_growable(model, generation_config, model_kwargs) -> bool:
-    """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise."""
+def _can_use_growable(model, generation_config) -> bool:
+    """The target's full cache is a `GrowableCache` (in-place appends, O(1) crop) when nothing asks otherwise (a
+    cache the caller passed is kept before this is asked)."""
     windowed_mtp_fast = (
         generation_config.use_mtp
         and WindowedSpec.from_cache_config("mtp", generation_config.cache_config).fast_verify
     )
     return (
-        model_kwargs.get(CACHE_KWARG) is None
         # windowed DFlash keeps the target cache native DFlash uses; windowed MTP too with fast_verify=False
-        and (windowed_mtp_fast or not generation_config.use_mtp)
+        (windowed_mtp_fast or not generation_config.use_mtp)
         and generation_config.speculation_type != "dflash"
         and generation_config.use_cache is not False
         and not model.config.is_encoder_decoder

@@ -121,17 +121,25 @@ def windowed_prefill(
     """Prefill `model` on `prompt_ids` `(B, L)` in chunks of `window_length` tokens through a
     `WindowedPrefillCache`; returns the cache (every layer's whole prompt K/V) and the last position's logits
     `(B, V)`. `config`: the model's config when `model` is wrapped (PEFT, DDP)."""
-    length = prompt_ids.shape[1]
-    cache = WindowedPrefillCache(config or model.config, num_sink_tokens, window_length, length)
+    cache = WindowedPrefillCache(config or model.config, num_sink_tokens, window_length, prompt_ids.shape[1])
+    return cache, prefill_in_chunks(model, prompt_ids, cache, window_length, logits_to_keep=1)
+
+
+@torch.no_grad()
+def prefill_in_chunks(
+    model, ids: torch.LongTensor, cache: Cache, chunk: int, start: int = 0, **forward_kwargs
+):
+    """Feed `ids[:, start:]` (`(B, n)`) into `cache` at positions `start ...`, `chunk` tokens a forward (with
+    `forward_kwargs`); the last position's logits `(B, V)`."""
     logits = None
-    for start in range(0, length, window_length):
-        chunk = prompt_ids[:, start : start + window_length]
-        positions = torch.arange(start, start + chunk.shape[1], device=prompt_ids.device)[None]
+    for begin in range(start, ids.shape[1], chunk):
+        piece = ids[:, begin : begin + chunk]
+        positions = torch.arange(begin, begin + piece.shape[1], device=ids.device)[None]
         out = model(
-            input_ids=chunk, position_ids=positions, **cache_kwargs(cache), use_cache=True, logits_to_keep=1
+            input_ids=piece, position_ids=positions, **cache_kwargs(cache), use_cache=True, **forward_kwargs
         )
         logits = out.logits[:, -1]
-    return cache, logits
+    return logits
 
 
 def fill_from_prefix(cache: Cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> Cache:

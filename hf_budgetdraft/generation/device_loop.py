@@ -158,11 +158,12 @@ class DeviceRound:
     def run(self, input_ids: torch.LongTensor, streamer=None, stats=None, given=None) -> torch.LongTensor:
         """Generate after `input_ids (1, P)`; `(1, P + n)`. `given`: a cache the caller passed, holding the prompt's
         first tokens: loaded into the static cache, then given what the call added (not if the call fails)."""
+        cached = 0 if given is None else given.get_seq_length()
+        check_prompt_extends(cached, input_ids)
         prompt = input_ids.shape[1]
         budget = self.config.max_length - prompt
         if budget <= 0:
             return input_ids
-        cached = 0 if given is None else given.get_seq_length()
         cache = take_cache(self.target, prompt + budget + self.most + 1)
         try:
             self.verify = StaticVerify(self.target, cache, self.plan.verify_compile_config, self.most + 1)
@@ -221,8 +222,6 @@ def run_device_round(
 ):
     """`_assisted_decoding` as the device round: run it, shape the result as transformers would."""
     given = kwargs.get(CACHE_KWARG) if is_given(kwargs.get(CACHE_KWARG)) else None
-    if given is not None:
-        check_prompt_extends(given.get_seq_length(), input_ids)
     round_ = DeviceRound(target, drafter, plan, generation_config, kwargs.get("logits_processor"))
     if stats is not None:
         stats.candidate_generator = round_

@@ -24,7 +24,8 @@ import torch
 from transformers import Cache
 
 from ..cache import SparseDraftCache
-from ..compat import CACHE_KWARG, cache_kwargs
+from ..cache.windowed_prefill import prefill_in_chunks
+from ..compat import CACHE_KWARG
 
 # (the target cache a call continues, the tokens it holds when transformers' loop starts)
 _continued: ContextVar[tuple[Cache, int] | None] = ContextVar("budgetdraft_continued_cache", default=None)
@@ -84,7 +85,12 @@ def continuing(target, cache: Cache, input_ids: torch.LongTensor, chunk: int | N
     try:
         _check_inputs_are_sliced(target, cache, input_ids, held)
         if chunked:
-            _prefill(target, cache, input_ids[:, :held], cached, chunk)
+            keep = (
+                {"logits_to_keep": 1}
+                if "logits_to_keep" in inspect.signature(target.forward).parameters
+                else {}
+            )
+            prefill_in_chunks(target, input_ids[:, :held], cache, chunk, cached, **keep)
         yield
     finally:
         _continued.reset(token)
@@ -101,16 +107,6 @@ def _check_inputs_are_sliced(target, cache: Cache, input_ids: torch.LongTensor, 
             "speculative call cannot start from a prefilled cache on it; pass the whole prompt, without cache= "
             "or prefill_chunk_size="
         )
-
-
-@torch.no_grad()
-def _prefill(target, cache: Cache, ids: torch.LongTensor, start: int, chunk: int) -> None:
-    """Feed `ids[:, start:] (1, n)` into `cache` at positions `start ...`, `chunk` tokens a forward."""
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
-    for begin in range(start, ids.shape[1], chunk):
-        piece = ids[:, begin : begin + chunk]
-        positions = torch.arange(begin, begin + piece.shape[1], device=ids.device)[None]
-        target(input_ids=piece, position_ids=positions, use_cache=True, **cache_kwargs(cache), **keep)
 
 
 def first_round_inputs(input_ids: torch.LongTensor, kwargs: dict) -> None:

@@ -19,6 +19,7 @@ import torch
 from transformers import Cache, CompileConfig, StaticCache
 from transformers.utils import logging
 
+from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
 from .compiled_step import draft_step_compile_config
 from .model_state import model_state
@@ -162,8 +163,8 @@ class StaticVerify:
     def load(self, given: Cache, tokens: int) -> None:
         """Copy the first `tokens` positions of every layer of `given` (a cache the caller passed) into the static
         cache, which then holds them."""
-        for index, layer in enumerate(given.layers):
-            self.cache.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], index)
+        keys = [layer.keys[:, :, :tokens] for layer in given.layers]
+        fill_from_prefix(self.cache, keys, [layer.values[:, :, :tokens] for layer in given.layers])
 
     def store(self, given: Cache, begin: int, end: int) -> None:
         """Append positions `[begin, end)` of the static cache to `given`, which held `begin` tokens: it then holds
