@@ -21,7 +21,8 @@
   decoding).
 - `prepare_inputs_for_generation`: a speculative call continuing a target cache passed to `generate()` (a prefix
   prefilled once), or prefilled in `prefill_chunk_size` chunks, feeds its first verification only the tokens that
-  cache does not hold (`generation/prefilled.py`).
+  cache does not hold, and a prompt given as `inputs_embeds` with its drafts' embeddings after it
+  (`generation/prefilled.py`).
 - `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched_loop.py` with no
   draft, so each row's sink / selection is of its own tokens, not of the padding.
 
@@ -112,13 +113,20 @@ def _check_assistant(target, assistant_model, generation_config, assistant_token
         )
 
 
-def _check_prompt(target, input_ids) -> None:
-    """Refuse a prompt a speculative call cannot start from: empty, or past the position limit of a target whose
-    positions are a learned table. Past a RoPE target's `max_position_embeddings` the call runs (the rotations are
-    defined at any position; the output is still exactly the target's) and says so once."""
+def _check_prompt(target, input_ids, embeds) -> None:
+    """Refuse a prompt a speculative call cannot start from: empty, given as `inputs_embeds` alone, or past the
+    position limit of a target whose positions are a learned table. Past a RoPE target's `max_position_embeddings`
+    the call runs (the rotations are defined at any position; the output is still exactly the target's) and says so
+    once."""
     if input_ids is None:
         return
     length = input_ids.shape[-1]
+    if length == 0 and embeds is not None:
+        raise ValueError(
+            f"the prompt came as inputs_embeds {tuple(embeds.shape)} without its token ids; a speculative call's "
+            "drafter reads the prompt's ids (its own embeddings): pass input_ids= too (the target still reads "
+            "inputs_embeds)"
+        )
     if length == 0:
         raise ValueError(
             f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}); speculative decoding continues a "
@@ -268,7 +276,7 @@ def _assisted_decoding(stock, self, *args, **kwargs):
         and generation_config.cache_implementation in SPARSE_CACHE_IMPLEMENTATIONS
     )
     if sparse:
-        _check_prompt(self, input_ids)
+        _check_prompt(self, input_ids, kwargs.get("inputs_embeds"))
         refuse_stateful(
             kwargs.get("logits_processor"), f"cache_implementation={generation_config.cache_implementation!r}"
         )
@@ -306,7 +314,9 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     try:
         with (
             plan.applied(self),
-            continuing(self, cache, input_ids, chunk) if cache is not None else nullcontext(),
+            continuing(self, cache, input_ids, chunk, kwargs.get("inputs_embeds"))
+            if cache is not None
+            else nullcontext(),
         ):
             return _every_token_stops(stock, self, input_ids, args, kwargs)
     finally:

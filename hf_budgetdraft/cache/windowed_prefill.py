@@ -127,17 +127,25 @@ def windowed_prefill(
 
 @torch.no_grad()
 def prefill_in_chunks(
-    model, ids: torch.LongTensor, cache: Cache, chunk: int, start: int = 0, **forward_kwargs
+    model,
+    ids: torch.LongTensor,
+    cache: Cache,
+    chunk: int,
+    start: int = 0,
+    embeds: torch.Tensor | None = None,
+    **forward_kwargs,
 ):
     """Feed `ids[:, start:]` (`(B, n)`) into `cache` at positions `start ...`, `chunk` tokens a forward (with
-    `forward_kwargs`); the last position's logits `(B, V)`."""
+    `forward_kwargs`); the last position's logits `(B, V)`. `embeds` `(B, L, H)`: the prompt given as
+    `inputs_embeds`, fed in place of the ids."""
     logits = None
     for begin in range(start, ids.shape[1], chunk):
-        piece = ids[:, begin : begin + chunk]
-        positions = torch.arange(begin, begin + piece.shape[1], device=ids.device)[None]
-        out = model(
-            input_ids=piece, position_ids=positions, **cache_kwargs(cache), use_cache=True, **forward_kwargs
+        end = min(begin + chunk, ids.shape[1])
+        piece = (
+            {"input_ids": ids[:, begin:end]} if embeds is None else {"inputs_embeds": embeds[:, begin:end]}
         )
+        positions = torch.arange(begin, end, device=ids.device)[None]
+        out = model(**piece, position_ids=positions, **cache_kwargs(cache), use_cache=True, **forward_kwargs)
         logits = out.logits[:, -1]
     return logits
 

@@ -35,6 +35,7 @@ from ..compat import cache_kwargs
 from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .plan import DraftPlan
+from .prefilled import check_embeds
 from .processors import LENGTH_ONLY, SCORE_ONLY, suppress_eos
 from .stats import active_recorder
 
@@ -97,15 +98,21 @@ class BatchedSpeculation:
                 self.draft_cache = self.plan.spec.build_ragged_cache(self.drafter.config, batch, capacity)
 
     # -- forwards ------------------------------------------------------------------------------------------------
-    def _prefill(self, model, cache: RaggedCache, capture: bool = False) -> torch.Tensor:
-        """Prefill every row on its own; `(B, V)` logits after each row's prompt."""
+    def _prefill(
+        self, model, cache: RaggedCache, capture: bool = False, embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Prefill every row on its own; `(B, V)` logits after each row's prompt. `embeds` `(B, P, H)`: the padded
+        prompt as `inputs_embeds`, read in place of the ids (the target's, when the call was given them)."""
         logits = []
         for row in range(self.rows.shape[0]):
             length = int(self.prompt_lengths[row])
             cache.prefill_row(row, length, self.prompt.device)
-            ids = self.tokens[row : row + 1, :length]
+            if embeds is None:
+                inputs = {"input_ids": self.tokens[row : row + 1, :length]}
+            else:
+                inputs = {"inputs_embeds": embeds[row : row + 1, int(self.pads[row]) :]}
             with query_capture(model) if capture else contextlib.nullcontext():
-                out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+                out = model(**inputs, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits)
 
@@ -266,14 +273,20 @@ class BatchedSpeculation:
 
     # -- the call ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, input_ids, attention_mask, draft_length, stats=None) -> torch.LongTensor:
-        """Generate for every row; `(B, P + n)` sequences, rows that stopped early padded with `pad_token_id`."""
+    def run(
+        self, input_ids, attention_mask, draft_length, stats=None, inputs_embeds=None
+    ) -> torch.LongTensor:
+        """Generate for every row; `(B, P + n)` sequences, rows that stopped early padded with `pad_token_id`.
+        `inputs_embeds` `(B, P, H)`: the target reads the prompt as these embeddings (the drafter reads the ids)."""
+        check_embeds(inputs_embeds, input_ids)
         self._setup(input_ids, attention_mask)
         self.draft_length = draft_length
         if stats is not None:
             stats.candidate_generator = self
         start = time.perf_counter()
-        logits = self._prefill(self.target, self.target_cache, capture=_scores_queries(self.target_cache))
+        logits = self._prefill(
+            self.target, self.target_cache, capture=_scores_queries(self.target_cache), embeds=inputs_embeds
+        )
         first = self._process(logits[:, None], input_ids[:, :0])[:, 0]
         first = torch.multinomial(first.softmax(-1), 1)[:, 0] if self.sample else first.argmax(-1)
         prefill_end = time.perf_counter()
@@ -371,6 +384,7 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
         kwargs.get("attention_mask"),
         for_rows(plan, input_ids.shape[0]),
         stats=active_recorder(),
+        inputs_embeds=kwargs.get("inputs_embeds"),
     )
     return _output(sequences, generation_config)
 
@@ -383,5 +397,10 @@ def run_sparse_batch(model, spec, input_ids, generation_config, kwargs: dict):
     decoding = BatchedSpeculation(
         model, None, plan, generation_config, kwargs.get("logits_processor"), kwargs.get("stopping_criteria")
     )
-    sequences = decoding.run(input_ids, kwargs.get("attention_mask"), SharedDraftLength(FixedDraftLength(0)))
+    sequences = decoding.run(
+        input_ids,
+        kwargs.get("attention_mask"),
+        SharedDraftLength(FixedDraftLength(0)),
+        inputs_embeds=kwargs.get("inputs_embeds"),
+    )
     return _output(sequences, generation_config)

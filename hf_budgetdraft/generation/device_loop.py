@@ -56,6 +56,8 @@ def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         return "a padded prompt"
+    if kwargs.get("inputs_embeds") is not None:
+        return "a prompt given as inputs_embeds"
     if kwargs.get("synced_gpus"):
         return "synced_gpus"
     return None

@@ -10,7 +10,10 @@ that one cache: other calls, other threads and the drafter's own forwards are un
 
 The same scope gives speculative calls transformers' `prefill_chunk_size`, which its assisted loop ignores (its
 first verification feeds the whole prompt in one forward): the prompt is fed in chunks first, and the first
-verification continues from there.
+verification continues from there. And it gives them `inputs_embeds`: transformers' assisted loop feeds the first
+verification the prompt's embeddings alone, without the round's drafts, and reads the drafts' logits off prompt
+positions; here the drafts' embeddings (the target's own embedding of their ids) follow the prompt's. The drafter
+reads the prompt's ids, with its own embeddings.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache
@@ -27,8 +31,19 @@ from ..cache import SparseDraftCache
 from ..cache.windowed_prefill import prefill_in_chunks
 from ..compat import CACHE_KWARG
 
-# (the target cache a call continues, the tokens it holds when transformers' loop starts)
-_continued: ContextVar[tuple[Cache, int] | None] = ContextVar("budgetdraft_continued_cache", default=None)
+
+@dataclass(frozen=True)
+class _FirstRound:
+    """What a call's first verification needs: the target `cache` it continues, the tokens it `held` when
+    transformers' loop started, and the target's input embedding (`embed`, for the drafts of a prompt given as
+    embeddings)."""
+
+    cache: Cache
+    held: int
+    embed: torch.nn.Module
+
+
+_first_round: ContextVar[_FirstRound | None] = ContextVar("budgetdraft_first_round", default=None)
 
 
 def is_given(cache) -> bool:
@@ -68,57 +83,85 @@ def check_prompt_extends(cached: int, input_ids: torch.LongTensor) -> None:
 
 
 @contextlib.contextmanager
-def continuing(target, cache: Cache, input_ids: torch.LongTensor, chunk: int | None = None) -> Iterator[None]:
+def continuing(
+    target,
+    cache: Cache,
+    input_ids: torch.LongTensor,
+    chunk: int | None = None,
+    embeds: torch.Tensor | None = None,
+) -> Iterator[None]:
     """Run the call's first verification on the tokens past `cache`'s length only. With `chunk` (transformers'
     `prefill_chunk_size`), first feed the prompt's uncached tokens but the last into `cache` in chunks of at most
     `chunk` (the first verification then feeds the last token and the round's drafts), as transformers' own prefill
-    does: a long prompt's activations stay bounded. A target whose `prepare_inputs_for_generation` never reaches
+    does: a long prompt's activations stay bounded. `embeds` `(1, L, H)`: the prompt as `inputs_embeds`, fed to the
+    target in place of `input_ids (1, L)`'s embeddings. A target whose `prepare_inputs_for_generation` never reaches
     transformers' own is refused before the cache is written (it would feed the whole prompt again)."""
     cached = cache.get_seq_length()
     check_prompt_extends(cached, input_ids)
+    check_embeds(embeds, input_ids)
     chunked = chunk is not None and input_ids.shape[1] - cached > chunk
     held = input_ids.shape[1] - 1 if chunked else cached  # what the cache holds when the loop starts
-    if held == 0:
+    if held == 0 and embeds is None:
         yield
         return
-    token = _continued.set((cache, held))
+    token = _first_round.set(_FirstRound(cache, held, target.get_input_embeddings()))
     try:
-        _check_inputs_are_sliced(target, cache, input_ids, held)
+        _check_inputs_are_sliced(target, cache, input_ids, held, embeds)
         if chunked:
             keep = (
                 {"logits_to_keep": 1}
                 if "logits_to_keep" in inspect.signature(target.forward).parameters
                 else {}
             )
-            prefill_in_chunks(target, input_ids[:, :held], cache, chunk, cached, **keep)
+            prefill_in_chunks(target, input_ids[:, :held], cache, chunk, cached, embeds=embeds, **keep)
         yield
     finally:
-        _continued.reset(token)
+        _first_round.reset(token)
 
 
-def _check_inputs_are_sliced(target, cache: Cache, input_ids: torch.LongTensor, held: int) -> None:
+def check_embeds(embeds: torch.Tensor | None, input_ids: torch.LongTensor) -> None:
+    """`inputs_embeds (B, L, H)` must give the embeddings of the prompt `input_ids (B, L)`, position for position."""
+    if embeds is not None and tuple(embeds.shape[:2]) != tuple(input_ids.shape):
+        raise ValueError(
+            f"inputs_embeds has shape {tuple(embeds.shape)} but input_ids {tuple(input_ids.shape)}; pass both for "
+            "the same prompt (the target reads the embeddings, a drafter the ids): inputs_embeds of shape (batch, "
+            "prompt length, hidden size)"
+        )
+
+
+def _check_inputs_are_sliced(
+    target, cache: Cache, input_ids: torch.LongTensor, held: int, embeds: torch.Tensor | None
+) -> None:
     probe = target.prepare_inputs_for_generation(
-        input_ids, next_sequence_length=None, is_first_iteration=True, **{CACHE_KWARG: cache}
+        input_ids,
+        next_sequence_length=None,
+        is_first_iteration=True,
+        inputs_embeds=embeds,
+        **{CACHE_KWARG: cache},
     )
-    fed = probe.get("input_ids")
-    if fed is None or fed.shape[-1] != input_ids.shape[-1] - held:
+    fed = probe.get("input_ids" if embeds is None else "inputs_embeds")
+    if fed is None or fed.shape[1] != input_ids.shape[-1] - held:
         raise ValueError(
             f"{type(target).__name__}.prepare_inputs_for_generation does not reach transformers' own, so a "
-            "speculative call cannot start from a prefilled cache on it; pass the whole prompt, without cache= "
-            "or prefill_chunk_size="
+            "speculative call cannot start from a prefilled cache on it; pass the whole prompt, without cache=, "
+            "prefill_chunk_size= or inputs_embeds="
         )
 
 
 def first_round_inputs(input_ids: torch.LongTensor, kwargs: dict) -> None:
-    """In `kwargs` of `prepare_inputs_for_generation(input_ids, **kwargs)`: on the first verification of a call
-    continuing its target cache, slice `input_ids (B, L)` to the `L - cached` tokens the cache does not hold."""
-    continued = _continued.get()
+    """In `kwargs` of `prepare_inputs_for_generation(input_ids, **kwargs)`, on the first verification of a call in
+    `continuing`: slice `input_ids (B, L + n)` (the prompt, then the round's n drafts) to the tokens the cache does
+    not hold, and append the drafts' embeddings to a prompt given as `inputs_embeds (B, L, H)`."""
+    scope = _first_round.get()
     if (
-        continued is None
+        scope is None
         or not kwargs.get("is_first_iteration")
         or kwargs.get("next_sequence_length") is not None
+        or kwargs.get("cache", kwargs.get("past_key_values")) is not scope.cache
     ):
         return
-    cache, cached = continued
-    if kwargs.get("cache", kwargs.get("past_key_values")) is cache and kwargs.get("inputs_embeds") is None:
-        kwargs["next_sequence_length"] = input_ids.shape[-1] - cached
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None:
+        drafts = input_ids[:, embeds.shape[1] :]
+        kwargs["inputs_embeds"] = torch.cat([embeds, scope.embed(drafts).to(embeds.dtype)], dim=1)
+    kwargs["next_sequence_length"] = input_ids.shape[-1] - scope.held

@@ -199,14 +199,14 @@ def test_other_calls_are_untouched():
     ids = random_prompt(60, seed=2)
     cache = prefilled_cache(target, ids[:, :40])
     inputs = target.prepare_inputs_for_generation(ids, is_first_iteration=True, **cache_kwargs(cache))
-    assert inputs["input_ids"].shape[-1] == 60 and prefilled._continued.get() is None
+    assert inputs["input_ids"].shape[-1] == 60 and prefilled._first_round.get() is None
     with prefilled.continuing(target, cache, ids):
         inputs = target.prepare_inputs_for_generation(ids, is_first_iteration=True, **cache_kwargs(cache))
         assert inputs["input_ids"].shape[-1] == 20
         other = DynamicCache(config=target.config)
         inputs = target.prepare_inputs_for_generation(ids, is_first_iteration=True, **{CACHE_KWARG: other})
         assert inputs["input_ids"].shape[-1] == 60  # another cache (the drafter's, another call's): untouched
-    assert prefilled._continued.get() is None
+    assert prefilled._first_round.get() is None
 
 
 def test_a_stop_inside_a_round_trims_the_continued_cache():

@@ -98,6 +98,23 @@ def test_windowed_dflash_greedy_equals_plain_greedy(layer_types):
     assert stats.rounds > 1 and isinstance(stats.draft_cache, WindowedDFlashCache)
 
 
+def test_a_prompt_given_as_embeddings_keeps_the_targets_output():
+    """`inputs_embeds`: DFlash drafts nothing before the target's first forward, so transformers' loop feeds the
+    prompt's embeddings whole, and the output is the target's own on them."""
+    target, drafter = pair()
+    ids = prompt(120)
+    other = torch.cat([ids[:, :-30], prompt(30, seed=5)], dim=1)
+    with torch.no_grad():
+        embeds = target.get_input_embeddings()(other)  # the last 30 positions read other tokens
+    reference = target.generate(
+        ids, inputs_embeds=embeds, max_new_tokens=24, min_new_tokens=24, do_sample=False
+    )
+    assert not torch.equal(
+        reference, target.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    )
+    assert torch.equal(dflash(target, drafter, ids, inputs_embeds=embeds, **WINDOWED), reference)
+
+
 def test_window_covering_the_context_reproduces_native_dflash(monkeypatch):
     target, drafter = pair()
     ids = prompt(120)

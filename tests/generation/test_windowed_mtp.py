@@ -398,3 +398,24 @@ def test_a_prefilled_target_cache_is_refused_with_the_fix(tmp_root):
             **cache_kwargs(cache),
         )
     assert cache.get_seq_length() == 40
+
+
+def test_a_prompt_given_as_embeddings_keeps_the_targets_output(tmp_root):
+    """`inputs_embeds`: the first verification drafts nothing (the head needs the target's hidden states first), so
+    transformers' loop feeds it the prompt's embeddings whole, and the output is the target's own on them."""
+    model = load("glm4_moe", tmp_root)
+    ids = random_prompt(400)
+    other = torch.cat([ids[:, :-30], random_prompt(30, seed=4)], dim=1)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(other)  # the last 30 positions read other tokens
+    expected = model.generate(ids, inputs_embeds=embeds, do_sample=False, max_new_tokens=32)
+    assert not torch.equal(expected, model.generate(ids, do_sample=False, max_new_tokens=32))
+    out, stats = generate(
+        model,
+        ids,
+        inputs_embeds=embeds,
+        use_mtp=True,
+        cache_implementation="sink_window",
+        cache_config=WINDOW,
+    )
+    assert torch.equal(out, expected) and stats.rounds > 0
