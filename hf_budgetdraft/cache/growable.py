@@ -113,6 +113,10 @@ class GrowableLayer(CacheLayerMixin):
         end = start + key_states.shape[-2]
         if end > self.capacity:
             self._grow(end)
+        elif self.key_buffer.is_inference() and not torch.is_inference_mode_enabled():
+            # filled under torch.inference_mode() (a prefix prefilled there, continued by generate()): torch
+            # refuses in-place writes to its tensors outside that mode, so the buffers become ordinary, once
+            self._map_buffers(torch.clone)
         self.key_buffer[:, :, start:end] = key_states.detach()
         self.value_buffer[:, :, start:end] = value_states.detach()
         self.cumulative_length = end

@@ -219,3 +219,27 @@ def test_target_cache_when_speculating():
     )  # a cache the caller passes is kept (tests/generation/test_prefilled.py)
     assert target.generate(ids, **{**kwargs, "cache": given}).cache is given
     assert hf_budgetdraft.GrowableCache is GrowableCache and "GrowableCache" in hf_budgetdraft.__all__
+
+
+def test_a_cache_filled_under_inference_mode_takes_appends_outside_it():
+    """A prefix prefilled under `torch.inference_mode()`, then continued by `generate()` (which runs under
+    `no_grad`): the buffers become ordinary tensors once, as transformers' `DynamicLayer` concatenates anyway."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(150, seed=2)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=20)
+    cache = GrowableCache(config=target.config, initial_capacity=256)
+    with torch.inference_mode():
+        target(ids[:, :120], cache=cache)
+    assert cache.layers[0].key_buffer.is_inference()
+    out = target.generate(
+        ids,
+        assistant_model=drafter,
+        cache_implementation="budgeted",
+        do_sample=False,
+        max_new_tokens=20,
+        cache=cache,
+    )
+    assert torch.equal(out, expected) and not cache.layers[0].key_buffer.is_inference()
+    with torch.inference_mode():  # and back: writing ordinary tensors inside inference mode is allowed
+        target(out[:, -1:], cache=cache)
+    assert cache.get_seq_length() == out.shape[1]
