@@ -16,6 +16,10 @@ document's cache (the copy is made outside the timing):
 Each call's wall time (from the call to its last token) and decode rate (after its first emitted chunk); the ratios
 are per question and repeat, medians over them. Every output must be the reference's. Writes
 `benchmarks/results/continued_cache.{json,md}`. Run it alone: a second busy process stalls torch's threads.
+
+`--temperature T` samples instead (the bundled drafter trained for sampling; the same seed for every call of a
+question and repeat, so AR and the one-liner draw from the same distribution, not the same tokens: outputs are not
+compared) and writes `continued_cache_sampling.{json,md}`.
 """
 
 from __future__ import annotations
@@ -61,11 +65,19 @@ def questions(tokens: torch.LongTensor, context_length: int, count: int) -> list
     return [torch.cat([document, tokens[:, s : s + QUESTION_TOKENS]], dim=1) for s in starts]
 
 
-def one_call(variant: str, pair, question, caches: dict, new_tokens: int):
-    speculative = dict(assistant_model=pair.drafter, cache_implementation="budgeted")
+def one_call(
+    variant: str, pair, question, caches: dict, new_tokens: int, sampling: dict | None = None, seed=None
+):
+    drafter = pair.drafter_for(do_sample=sampling is not None)
+    speculative = dict(assistant_model=drafter, cache_implementation="budgeted", sampling=sampling, seed=seed)
     if variant == "ar":
         return timed_generate(
-            pair.target, question, new_tokens, **cache_kwargs(copy.deepcopy(caches["dynamic"]))
+            pair.target,
+            question,
+            new_tokens,
+            sampling=sampling,
+            seed=seed,
+            **cache_kwargs(copy.deepcopy(caches["dynamic"])),
         )
     if variant == "one_liner":
         cache = copy.deepcopy(caches["dynamic"])
@@ -77,7 +89,7 @@ def one_call(variant: str, pair, question, caches: dict, new_tokens: int):
     return timed_generate(pair.target, question, new_tokens, **speculative, **extra)
 
 
-def measure(pair, prompts, new_tokens: int, repeats: int) -> list[dict]:
+def measure(pair, prompts, new_tokens: int, repeats: int, sampling: dict | None = None) -> list[dict]:
     document = prompts[0][:, : prompts[0].shape[1] - QUESTION_TOKENS]
     caches = {
         "dynamic": DynamicCache(config=pair.target.config),
@@ -85,13 +97,14 @@ def measure(pair, prompts, new_tokens: int, repeats: int) -> list[dict]:
     }
     for cache in caches.values():
         prefill(pair.target, document, cache)
-    one_call("one_liner", pair, prompts[0], caches, 8)  # warm-up: every path's first call
+    one_call("one_liner", pair, prompts[0], caches, 8, sampling, seed=0)  # warm-up: every path's first call
     rows = []
     for repeat in range(repeats):
         for q, question in enumerate(prompts):
             shift = (repeat * len(prompts) + q) % len(VARIANTS)
             order = VARIANTS[shift:] + VARIANTS[:shift]
-            runs = {variant: one_call(variant, pair, question, caches, new_tokens) for variant in order}
+            seed = repeat * len(prompts) + q
+            runs = {v: one_call(v, pair, question, caches, new_tokens, sampling, seed) for v in order}
             reference = runs["ar"].new_ids
             rows.append(
                 {
@@ -101,7 +114,7 @@ def measure(pair, prompts, new_tokens: int, repeats: int) -> list[dict]:
                         v: {
                             "seconds": run.seconds,
                             "decode_tokens_per_s": run.decode_tokens_per_second or run.tokens_per_second,
-                            "identical": bool(torch.equal(run.new_ids, reference)),
+                            "identical": None if sampling else bool(torch.equal(run.new_ids, reference)),
                             "tokens_per_round": run.stats.mean_accepted_length if run.stats.rounds else None,
                             "first_token_seconds": run.first_token_seconds,
                             "draft_prefill_seconds": run.stats.draft_prefill_seconds,
@@ -120,13 +133,18 @@ def summary(rows: list[dict]) -> dict:
         return statistics.median([1 / x for x in ratios] if invert else ratios)
 
     return {
-        "identical": all(r[v]["identical"] for r in rows for v in VARIANTS),
+        "identical": None
+        if rows[0]["ar"]["identical"] is None  # sampled: nothing to compare
+        else all(r[v]["identical"] for r in rows for v in VARIANTS),
         "seconds": {v: statistics.median(r[v]["seconds"] for r in rows) for v in VARIANTS},
         "first_token_seconds": {
             v: statistics.median(r[v]["first_token_seconds"] for r in rows) for v in VARIANTS
         },
         "draft_prefill_seconds": {
             v: statistics.median(r[v]["draft_prefill_seconds"] for r in rows) for v in VARIANTS[1:]
+        },
+        "tokens_per_round": {
+            v: statistics.median(r[v]["tokens_per_round"] for r in rows) for v in VARIANTS[1:]
         },
         "decode_speedup_vs_ar": {v: median_ratio(v, "ar", "decode_tokens_per_s") for v in VARIANTS[1:]},
         "call_speedup_vs_ar": {v: median_ratio(v, "ar", "seconds", invert=True) for v in VARIANTS[1:]},
@@ -136,22 +154,28 @@ def summary(rows: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     s, meta = result["summary"], result["meta"]
+    if meta["temperature"] is None:
+        outputs = f"Greedy; every output identical to AR's: {s['identical']}."
+    else:
+        outputs = (
+            f"Sampling at temperature {meta['temperature']} (the drafter trained for sampling; one seed per question "
+            "and repeat, outputs not compared)."
+        )
     lines = [
         f"# One document, many questions: continuing its cache ({meta['context_length']} tokens, "
         f"{meta['new_tokens']} new tokens)",
         "",
-        f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. "
-        f"Every output identical to AR's: {s['identical']}.",
+        f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. {outputs}",
         "",
-        "| call | seconds | first token (s) | drafter prefill (s) | decode vs AR | call vs AR |",
-        "|---|---|---|---|---|---|",
+        "| call | seconds | first token (s) | drafter prefill (s) | tokens a round | decode vs AR | call vs AR |",
+        "|---|---|---|---|---|---|---|",
         f"| ar (continues a DynamicCache) | {s['seconds']['ar']:.2f} | {s['first_token_seconds']['ar']:.2f} | - "
-        "| 1.00x | 1.00x |",
+        "| - | 1.00x | 1.00x |",
     ]
     for v in VARIANTS[1:]:
         lines.append(
             f"| {v} | {s['seconds'][v]:.2f} | {s['first_token_seconds'][v]:.2f} | {s['draft_prefill_seconds'][v]:.2f} "
-            f"| {s['decode_speedup_vs_ar'][v]:.2f}x | {s['call_speedup_vs_ar'][v]:.2f}x |"
+            f"| {s['tokens_per_round'][v]:.2f} | {s['decode_speedup_vs_ar'][v]:.2f}x | {s['call_speedup_vs_ar'][v]:.2f}x |"
         )
     lines += [
         "",
@@ -170,21 +194,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "continued_cache")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="sample at this temperature (default: greedy)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default: results/continued_cache[_sampling]")
     args = parser.parse_args(argv)
+    if args.temperature is not None and not 0 < args.temperature <= 2:
+        parser.error(f"--temperature must be in (0, 2], got {args.temperature}")
+    sampling = None if args.temperature is None else {"temperature": args.temperature}
+    out = args.out or RESULTS / ("continued_cache" if sampling is None else "continued_cache_sampling")
     torch.set_num_threads(args.threads)
     pair = load_demo_models()
     tokens = pair.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
     prompts = questions(tokens, args.context_length, args.questions)
-    rows = measure(pair, prompts, args.new_tokens, args.repeats)
+    rows = measure(pair, prompts, args.new_tokens, args.repeats, sampling)
     meta = {
         **run_record(args.threads),
-        **{k: getattr(args, k) for k in ("context_length", "questions", "new_tokens", "repeats")},
+        **{
+            k: getattr(args, k)
+            for k in ("context_length", "questions", "new_tokens", "repeats", "temperature")
+        },
     }
     result = {"meta": meta, "summary": summary(rows), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(table(result))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table(result))
     print(table(result))
 
 
