@@ -7,7 +7,8 @@
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
   static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa` and (float32 on CPU) on
   few-row linear layers — for that call only (`attention/scoped.py`, `cpu/few_row_linear.py`): the models are
-  never written to, so calls in other threads on the same models are unaffected.
+  never written to, so calls in other threads on the same models are unaffected. A call continuing a prefilled
+  target cache lets the drafter's windowed prefill continue the prompt it read last (`generation/draft_prefix.py`).
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
@@ -65,9 +66,10 @@ from .generation.device_loop import run_device_round
 from .generation.device_loop import unsupported as unsupported_by_device_round
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
+from .generation.draft_prefix import reusing_read_prompts
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
-from .generation.prefilled import check_target_cache, continuing, first_round_inputs
+from .generation.prefilled import check_target_cache, continues_a_prefix, continuing, first_round_inputs
 from .generation.processors import refuse_stateful
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
@@ -305,8 +307,16 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     if plan.batched:
         with plan.applied(self):
             return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
-    if plan.device_round:
-        return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
+    cache = kwargs.get(CACHE_KWARG)
+    # a call continuing a prefilled target cache: the drafter continues the prompt it read last, where it can
+    with reusing_read_prompts() if continues_a_prefix(cache) else nullcontext():
+        if plan.device_round:
+            return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
+        return _single_sequence(stock, self, plan, generation_config, input_ids, args, kwargs)
+
+
+def _single_sequence(stock, self, plan, generation_config, input_ids, args, kwargs):
+    """transformers' assisted loop inside the call's plan, its first verification in `continuing`'s scope."""
     token = _current_plan.set(plan)
     cache, mask = kwargs.get(CACHE_KWARG), kwargs.get("attention_mask")
     # transformers' prefill_chunk_size, which its assisted loop ignores (a padded row keeps the one-forward prefill)

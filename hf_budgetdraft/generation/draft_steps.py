@@ -23,9 +23,10 @@ from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache
-from ..cache.windowed_prefill import fill_from_prefix, windowed_prefill
+from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
+from . import draft_prefix
 from .device_rules import device_rules
 from .draft_length.clock import synchronize
 
@@ -135,8 +136,10 @@ class CheckedLeanStep:
 
 class Prefill:
     """The drafter's prefill of the prompt: in windowed chunks when the prompt is longer than `window` (then the
-    draft cache is filled from the recorded keys/values through its layers' `update`), else its own forward,
-    capturing the prefill's queries when `capture_queries`. `seconds` accumulates its time (device synchronised)."""
+    draft cache is filled from the recorded keys/values through its layers' `update`; in a call continuing a
+    prefilled target cache, from the first chunk the prompt does not share with the last one read, `draft_prefix`),
+    else its own forward, capturing the prefill's queries when `capture_queries`. `seconds` accumulates its time
+    (device synchronised)."""
 
     def __init__(self, eager: ForwardStep, window: int | None, num_sink_tokens: int, capture_queries: bool):
         self.eager, self.window, self.num_sink_tokens = eager, window, num_sink_tokens
@@ -146,7 +149,7 @@ class Prefill:
         start = time.perf_counter()
         model, cache = self.eager.model, self.eager.cache
         if self.window is not None and feed.shape[1] > self.window and mask is None:
-            recorder, logits = windowed_prefill(model, feed, self.num_sink_tokens, self.window)
+            recorder, logits = draft_prefix.windowed_prefill(model, feed, self.num_sink_tokens, self.window)
             fill_from_prefix(cache, *recorder.prompt_states())
             logits = logits.float()
         else:

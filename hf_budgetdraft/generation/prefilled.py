@@ -52,6 +52,11 @@ def is_given(cache) -> bool:
     return bool(getattr(cache, "_is_user_defined", False))
 
 
+def continues_a_prefix(cache) -> bool:
+    """Whether a call continues a target cache its caller passed, holding a prefix of the prompt."""
+    return cache is not None and is_given(cache) and int(cache.get_seq_length()) > 0
+
+
 def check_target_cache(cache, rows: int, runs_batched: bool) -> None:
     """Refuse a cache a speculative call on a sparse draft cache cannot continue, before anything is written to it."""
     if not isinstance(cache, Cache):

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
 from hf_budgetdraft.attention.function_parts import as_additive
 from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, windowed_prefill
-from hf_budgetdraft.generation import draft_steps
+from hf_budgetdraft.generation import draft_prefix
 from hf_budgetdraft.generation.spec import DEFAULT_PREFILL_WINDOW
 from hf_budgetdraft.trainer.views import SparseViewSpec, run_shared_prefix, view_logits
 
@@ -160,7 +160,7 @@ def test_the_one_liner_reports_the_prefill_window_it_ran(cache_config, monkeypat
     expected = target.generate(ids, do_sample=False, max_new_tokens=12)
     chunks = []
     monkeypatch.setattr(
-        draft_steps,
+        draft_prefix,
         "windowed_prefill",
         lambda model, prompt, sink, window: (
             chunks.append(window) or windowed_prefill(model, prompt, sink, window)

@@ -1,0 +1,138 @@
+"""A call continuing a prefilled target cache: the drafter's windowed prefill continues the prompt it read in the
+previous such call from the first chunk the two do not share (`generation/draft_prefix.py`), and everything it
+drafts is what a full re-read would have drafted."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from test_prefilled import prefilled_cache
+from tiny_models import model_pair, random_prompt
+
+from hf_budgetdraft import record_speculation
+from hf_budgetdraft.compat import cache_kwargs
+from hf_budgetdraft.generation import draft_prefix
+
+WINDOW = 32
+SIZES = {
+    "budgeted": {"budget": 32, "window_length": 16},
+    "sink_window": {"num_sink_tokens": 4, "window_length": 40},
+}
+NEW_TOKENS = 24
+
+
+class PrefillFeeds:
+    """Tokens fed by each forward of the drafter that feeds more than one token (its prefill chunks)."""
+
+    def __init__(self, drafter):
+        self.fed = []
+        drafter.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[-1] > 3:  # a draft step feeds at most the round's tokens
+            self.fed.append(ids.shape[-1])
+
+
+def speculate(target, drafter, ids, cache=None, name="budgeted", **config):
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            cache_implementation=name,
+            cache_config={**SIZES[name], "prefill_window": WINDOW, "draft_length": 3, **config},
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            **({} if cache is None else cache_kwargs(copy.deepcopy(cache))),
+        )
+    return out, stats
+
+
+def questions(document: torch.LongTensor, count: int = 2) -> list[torch.LongTensor]:
+    return [torch.cat([document, random_prompt(20, seed=40 + q)], dim=1) for q in range(count)]
+
+
+@pytest.mark.parametrize("name", ["budgeted", "sink_window"])
+def test_the_next_question_reads_only_the_chunks_it_does_not_share(name):
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=3)
+    cache = prefilled_cache(target, document)
+    first, second = questions(document)
+    speculate(target, drafter, first, cache, name)
+    feeds = PrefillFeeds(drafter)
+    out, stats = speculate(target, drafter, second, cache, name)
+    assert sum(feeds.fed) == second.shape[1] - 192  # the document's first 6 chunks are the last prompt's
+    draft_prefix._prompts.pop(drafter)
+    fresh_out, fresh = speculate(target, drafter, second, cache, name)
+    assert sum(feeds.fed[1:]) == second.shape[1]  # without it: the whole sequence again
+    expected = target.generate(second, do_sample=False, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(out, expected) and torch.equal(fresh_out, expected)
+    # the same drafts, round for round, and the same draft cache at the end
+    assert (
+        stats.proposed_per_round == fresh.proposed_per_round
+        and stats.accepted_per_round == fresh.accepted_per_round
+    )
+    for layer, fresh_layer in zip(stats.draft_cache.layers, fresh.draft_cache.layers, strict=True):
+        assert torch.equal(layer.keys, fresh_layer.keys) and torch.equal(layer.values, fresh_layer.values)
+
+
+def test_the_next_turn_continues_the_prompt_of_the_last():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(150, seed=5)
+    first, _ = speculate(target, drafter, ids, prefilled_cache(target, ids[:, :100]))
+    turn = torch.cat([first, random_prompt(12, seed=6)], dim=1)
+    feeds = PrefillFeeds(drafter)
+    out, _ = speculate(target, drafter, turn, prefilled_cache(target, turn[:, :-12]))
+    assert sum(feeds.fed) == turn.shape[1] - 128  # the last prompt's 150 tokens: 4 whole chunks
+    assert torch.equal(out, target.generate(turn, do_sample=False, max_new_tokens=NEW_TOKENS))
+
+
+def test_calls_without_a_passed_cache_neither_reuse_nor_keep_a_prompt():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    ids = random_prompt(200, seed=7)
+    feeds = PrefillFeeds(drafter)
+    for _ in range(2):
+        speculate(target, drafter, ids)
+    assert sum(feeds.fed) == 2 * ids.shape[1] and drafter not in draft_prefix._prompts
+
+
+def test_new_weights_or_another_window_read_the_whole_prompt_again():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=8)
+    cache = prefilled_cache(target, document)
+    first, second = questions(document)
+    speculate(target, drafter, first, cache)
+    feeds = PrefillFeeds(drafter)
+    speculate(target, drafter, second, cache, prefill_window=40)
+    assert sum(feeds.fed) == second.shape[1]
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(1.01)  # written in place: its version moves
+    feeds.fed.clear()
+    speculate(target, drafter, first, cache, prefill_window=40)
+    assert sum(feeds.fed) == first.shape[1]
+
+
+def test_the_device_round_continues_the_prompt_too():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=9)
+    cache = prefilled_cache(target, document)
+    first, second = questions(document)
+    speculate(target, drafter, first, cache, device_round=True)
+    feeds = PrefillFeeds(drafter)
+    out, stats = speculate(target, drafter, second, cache, device_round=True)
+    # the device round's drafter reads the prompt and the target's first token
+    assert stats.runtime["loop"] == "device_round" and sum(feeds.fed) == second.shape[1] + 1 - 192
+    assert torch.equal(out, target.generate(second, do_sample=False, max_new_tokens=NEW_TOKENS))
+
+
+def test_the_kept_prompt_goes_with_the_drafter():
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=10)
+    gc.collect()  # the prompts of earlier tests' drafters, gone with them
+    before = len(draft_prefix._prompts)
+    speculate(target, drafter, questions(document)[0], prefilled_cache(target, document))
+    assert len(draft_prefix._prompts) == before + 1
+    del drafter
+    gc.collect()
+    assert len(draft_prefix._prompts) == before
