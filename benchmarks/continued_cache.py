@@ -13,6 +13,10 @@ document's cache (the copy is made outside the timing):
 - `one_liner_growable`: the same with the document prefilled into a `GrowableCache` instead;
 - `one_liner_reread`: the one-liner on the whole sequence with no cache (the document prefilled again).
 
+The continuing calls' drafter continues the prompt it read in the last continuing call (the previous question's:
+the document's chunks are shared); the re-reading call's drafter reads the whole sequence, so its drafter prefill
+is what the first question after the document's prefill pays.
+
 Each call's wall time (from the call to its last token) and decode rate (after its first emitted chunk); the ratios
 are per question and repeat, medians over them. Every output must be the reference's. Writes
 `benchmarks/results/continued_cache.{json,md}`. Run it alone: a second busy process stalls torch's threads.
@@ -165,7 +169,9 @@ def table(result: dict) -> str:
         f"# One document, many questions: continuing its cache ({meta['context_length']} tokens, "
         f"{meta['new_tokens']} new tokens)",
         "",
-        f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. {outputs}",
+        f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. {outputs} The "
+        "continuing calls' drafter continues the previous question's prompt; the re-reading call's drafter prefill "
+        "is a whole read.",
         "",
         "| call | seconds | first token (s) | drafter prefill (s) | tokens a round | decode vs AR | call vs AR |",
         "|---|---|---|---|---|---|---|",
