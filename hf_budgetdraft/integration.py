@@ -69,7 +69,13 @@ from .generation.draft_length import for_mtp
 from .generation.draft_prefix import reusing_read_prompts
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
-from .generation.prefilled import check_target_cache, continues_a_prefix, continuing, first_round_inputs
+from .generation.prefilled import (
+    check_target_cache,
+    continues_a_prefix,
+    continuing,
+    first_round_inputs,
+    kept_on_failure,
+)
 from .generation.processors import refuse_stateful
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
@@ -323,6 +329,7 @@ def _single_sequence(stock, self, plan, generation_config, input_ids, args, kwar
     chunk = generation_config.prefill_chunk_size if mask is None or bool(mask.all()) else None
     try:
         with (
+            kept_on_failure(cache),
             plan.applied(self),
             continuing(self, cache, input_ids, chunk, kwargs.get("inputs_embeds"))
             if cache is not None

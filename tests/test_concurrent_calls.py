@@ -64,11 +64,12 @@ def _speculative(drafter, cache: str = "budgeted", **cache_config) -> dict:
 
 
 def _continued(target, drafter) -> dict:
-    """The one-liner continuing a cache its caller prefilled with the prompt's first 200 tokens."""
+    """The one-liner continuing a cache its caller prefilled with the prompt's first 200 tokens, the drafter's
+    windowed prefill continuing the prompt it read in the last such call (shared by every thread)."""
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
         target(random_prompt(300)[:, :200], **cache_kwargs(cache))
-    return {**_speculative(drafter), **cache_kwargs(cache)}
+    return {**_speculative(drafter, budget=64, prefill_window=64), **cache_kwargs(cache)}
 
 
 CALLS = {

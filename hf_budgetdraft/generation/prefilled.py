@@ -19,6 +19,7 @@ reads the prompt's ids, with its own embeddings.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -55,6 +56,47 @@ def is_given(cache) -> bool:
 def continues_a_prefix(cache) -> bool:
     """Whether a call continues a target cache its caller passed, holding a prefix of the prompt."""
     return cache is not None and is_given(cache) and int(cache.get_seq_length()) > 0
+
+
+@contextlib.contextmanager
+def kept_on_failure(cache) -> Iterator[None]:
+    """A call that fails (an exception, a stopped streamer, Ctrl-C) leaves a cache its caller passed holding what it
+    held: its full-attention layers cropped back (exact: only their length moves), its bounded layers (sliding
+    windows, convolution states, which cannot roll back past their window) put back as copied at the start."""
+    if cache is None or not is_given(cache):
+        yield
+        return
+    held = int(cache.get_seq_length())
+    copies = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if _bounded(layer)}
+    try:
+        yield
+    except BaseException:
+        for i, layer in enumerate(cache.layers):
+            if i in copies:
+                _put_back(layer, copies[i])
+            elif int(layer.get_seq_length()) > held:
+                layer.crop(held - int(layer.get_seq_length()))
+        raise
+
+
+def _bounded(layer) -> bool:
+    """A layer holding a bounded state (a sliding window, a convolution state) rather than every past token."""
+    return getattr(layer, "is_sliding", None) is not False
+
+
+def _put_back(layer, saved) -> None:
+    """Restore `layer`'s state from `saved`, its copy; tensors of the same shape in place (a static layer's buffers
+    keep their addresses)."""
+    for name, value in vars(saved).items():
+        current = getattr(layer, name, None)
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(current, torch.Tensor)
+            and current.shape == value.shape
+        ):
+            current.copy_(value)
+        else:
+            setattr(layer, name, value)
 
 
 def check_target_cache(cache, rows: int, runs_batched: bool) -> None:

@@ -4,13 +4,15 @@ target's own on the whole sequence, its first verification feeds only the tokens
 cannot continue is refused before the cache is written. The same scope runs `prefill_chunk_size`'s chunked prefill,
 which transformers' assisted loop ignores."""
 
+import copy
+
 import pytest
 import torch
 from test_stops import StopOn
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
-from transformers import DynamicCache, LlamaForCausalLM, StoppingCriteriaList
+from transformers import DynamicCache, LlamaForCausalLM, StaticCache, StoppingCriteriaList
 
-from hf_budgetdraft import record_speculation
+from hf_budgetdraft import GrowableCache, record_speculation
 from hf_budgetdraft.cache import SinkWindowCache
 from hf_budgetdraft.compat import CACHE_KWARG, cache_kwargs, output_cache
 from hf_budgetdraft.generation import prefilled
@@ -263,3 +265,37 @@ def test_a_padded_row_keeps_the_one_forward_prefill():
     expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS)
     out = speculate(target, drafter, ids, None, attention_mask=mask, prefill_chunk_size=40)
     assert torch.equal(out, expected)
+
+
+CACHE_CLASSES = {
+    "dynamic": lambda config: DynamicCache(config=config),
+    "growable": lambda config: GrowableCache(config=config, initial_capacity=128),
+    "static": lambda config: StaticCache(config=config, max_cache_len=256),
+}
+
+
+# transformers' assisted loop refuses a static cache with sliding layers (they cannot be cropped)
+@pytest.mark.parametrize(
+    ("family", "kind"),
+    [(f, k) for f in ("llama", "gemma2") for k in CACHE_CLASSES if (f, k) != ("gemma2", "static")],
+)
+def test_a_failed_call_leaves_the_given_cache_as_it_was(family, kind):
+    """transformers' loop writes the caller's cache as it goes: a failure crops its full layers back and puts its
+    sliding layers (gemma2's window of 24, long passed here) back as they were."""
+    attention = "sdpa" if supports(family, "sdpa") else "eager"
+    target, drafter = model_pair(family, attention, draft_layers=1)
+    ids = random_prompt(150, seed=3)
+    cache = CACHE_CLASSES[kind](target.config)
+    with torch.no_grad():
+        target(ids[:, :100], **cache_kwargs(cache))
+    before = copy.deepcopy(cache)
+    with pytest.raises(RuntimeError, match="the caller stopped"):
+        speculate(target, drafter, ids, cache, streamer=FailingStreamer())
+    assert int(cache.get_seq_length()) == 100
+    for layer, saved in zip(cache.layers, before.layers, strict=True):
+        length = int(saved.get_seq_length()) if kind == "static" else None  # past it: stale, never read
+        assert torch.equal(layer.keys[:, :, :length], saved.keys[:, :, :length])
+        assert torch.equal(layer.values[:, :, :length], saved.values[:, :, :length])
+    # and it is continued as if nothing had happened
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(speculate(target, drafter, ids, cache), expected)
