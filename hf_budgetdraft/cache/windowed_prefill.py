@@ -40,14 +40,6 @@ class WindowedPrefillLayer(CacheLayerMixin):
         self.values = value_states.new_empty(batch, heads, self.prompt_length, value_states.shape[-1])
         self.is_initialized = True
 
-    def resume(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Start from a prompt's first tokens `(B, H, k, D)`, as if written chunk by chunk (`k` a multiple of the
-        chunk length, for the next chunks to read what they would have read)."""
-        self.lazy_initialization(keys, values)
-        self.keys[:, :, : keys.shape[-2]] = keys
-        self.values[:, :, : values.shape[-2]] = values
-        self.length = keys.shape[-2]
-
     def _visible(self) -> tuple[range, range]:
         """Positions of the past a chunk starting at `self.length` reads: the sink, then the window."""
         sink = range(min(self.num_sink_tokens, self.length))
@@ -113,11 +105,6 @@ class WindowedPrefillCache(Cache):
         super().__init__(
             layers=[WindowedPrefillLayer(num_sink_tokens, window_length, prompt_length) for _ in layer_types]
         )
-
-    def resume(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Start every layer from a prompt's first tokens (per layer `(B, H, k, D)`; see `WindowedPrefillLayer`)."""
-        for layer, layer_keys, layer_values in zip(self.layers, keys, values, strict=True):
-            layer.resume(layer_keys, layer_values)
 
     def prompt_states(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`(keys, values)`: per layer, the prompt's `(B, H, L, D)` as written so far."""

@@ -22,7 +22,7 @@ import torch
 from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
-from ..cache import BudgetedCache
+from ..cache import BudgetedCache, is_full_attention_only
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
@@ -136,10 +136,10 @@ class CheckedLeanStep:
 
 class Prefill:
     """The drafter's prefill of the prompt: in windowed chunks when the prompt is longer than `window` (then the
-    draft cache is filled from the recorded keys/values through its layers' `update`; in a call continuing a
-    prefilled target cache, from the first chunk the prompt does not share with the last one read, `draft_prefix`),
-    else its own forward, capturing the prefill's queries when `capture_queries`. `seconds` accumulates its time
-    (device synchronised)."""
+    draft cache is filled from the recorded keys/values through its layers' `update`), else its own forward,
+    capturing the prefill's queries when `capture_queries`. In a call continuing a prefilled target cache, either
+    runs on from where the prompt stops sharing the last one the drafter read (`draft_prefix`; a full prefill
+    then records the keys/values in a `DynamicCache` first). `seconds` accumulates its time (device synchronised)."""
 
     def __init__(self, eager: ForwardStep, window: int | None, num_sink_tokens: int, capture_queries: bool):
         self.eager, self.window, self.num_sink_tokens = eager, window, num_sink_tokens
@@ -150,7 +150,11 @@ class Prefill:
         model, cache = self.eager.model, self.eager.cache
         if self.window is not None and feed.shape[1] > self.window and mask is None:
             recorder, logits = draft_prefix.windowed_prefill(model, feed, self.num_sink_tokens, self.window)
-            fill_from_prefix(cache, *recorder.prompt_states())
+            fill_from_prefix(cache, *draft_prefix.recorded(recorder))
+            logits = logits.float()
+        elif self._continues_full_prefill(mask):
+            recorder, logits = draft_prefix.full_prefill(model, feed)
+            fill_from_prefix(cache, *draft_prefix.recorded(recorder))
             logits = logits.float()
         else:
             with query_capture(model) if self.capture_queries else contextlib.nullcontext():
@@ -158,6 +162,17 @@ class Prefill:
         synchronize(feed.device)
         self.seconds += time.perf_counter() - start
         return logits
+
+    def _continues_full_prefill(self, mask) -> bool:
+        """A full prefill continues the last prompt read (`draft_prefix`) when the call asks for it and the draft
+        cache is filled from keys/values alone: no padding, no prefill queries to score them with, and only
+        full-attention layers (whose keys/values a `DynamicCache` records)."""
+        return (
+            draft_prefix.reusing()
+            and mask is None
+            and not self.capture_queries
+            and is_full_attention_only(self.eager.model.config)
+        )
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""A call continuing a prefilled target cache: the drafter's windowed prefill continues the prompt it read in the
-previous such call from the first chunk the two do not share (`generation/draft_prefix.py`), and everything it
-drafts is what a full re-read would have drafted."""
+"""A call continuing a prefilled target cache: the drafter's prefill continues the prompt it read in the previous such
+call from where the two stop sharing (`generation/draft_prefix.py`): a windowed prefill from the first chunk they do
+not share, and then everything it drafts is what a full re-read would have drafted; a full prefill from the first
+token."""
 
 import copy
 import gc
@@ -75,6 +76,35 @@ def test_the_next_question_reads_only_the_chunks_it_does_not_share(name):
     )
     for layer, fresh_layer in zip(stats.draft_cache.layers, fresh.draft_cache.layers, strict=True):
         assert torch.equal(layer.keys, fresh_layer.keys) and torch.equal(layer.values, fresh_layer.values)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("name", ["budgeted", "sink_window"])
+def test_a_full_prefill_reads_only_the_tokens_it_does_not_share(name, static):
+    """`prefill_window=None` (CUDA's default): every query reads every earlier token, so every shared token is."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=11)
+    cache = prefilled_cache(target, document)
+    first, second = questions(document)
+    speculate(target, drafter, first, cache, name, prefill_window=None, static=static)
+    feeds = PrefillFeeds(drafter)
+    out, stats = speculate(target, drafter, second, cache, name, prefill_window=None, static=static)
+    assert feeds.fed == [20] and stats.plan.spec.prefill_window is None and stats.plan.spec.static == static
+    assert torch.equal(out, target.generate(second, do_sample=False, max_new_tokens=NEW_TOKENS))
+
+
+def test_a_prefill_scored_by_its_queries_reads_the_whole_prompt():
+    """A policy that scores the prompt with the prefill's queries (SnapKV) needs them all from one forward."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=12)
+    cache = prefilled_cache(target, document)
+    first, second = questions(document)
+    snapkv = {"prefill_window": None, "policy": "snapkv", "policy_kwargs": {"window_size": 8}}
+    speculate(target, drafter, first, cache, **snapkv)
+    feeds = PrefillFeeds(drafter)
+    out, _ = speculate(target, drafter, second, cache, **snapkv)
+    assert feeds.fed == [second.shape[1]] and drafter not in draft_prefix._prompts
+    assert torch.equal(out, target.generate(second, do_sample=False, max_new_tokens=NEW_TOKENS))
 
 
 def test_the_next_turn_continues_the_prompt_of_the_last():
