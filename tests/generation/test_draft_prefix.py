@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 from test_prefilled import prefilled_cache
-from tiny_models import model_pair, random_prompt
+from tiny_models import model_pair, random_prompt, skip_unless_static
 
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.compat import cache_kwargs
@@ -83,6 +83,8 @@ def test_the_next_question_reads_only_the_chunks_it_does_not_share(name):
 def test_a_full_prefill_reads_only_the_tokens_it_does_not_share(name, static):
     """`prefill_window=None` (CUDA's default): every query reads every earlier token, so every shared token is."""
     target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    if static:
+        skip_unless_static(drafter)
     document = random_prompt(200, seed=11)
     cache = prefilled_cache(target, document)
     first, second = questions(document)
