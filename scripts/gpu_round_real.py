@@ -9,6 +9,7 @@ with models this small the round is nearly all host time, so this is the direct 
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import gpu_round_rows as rows
@@ -118,10 +119,12 @@ def identity(report, target, drafter, prompts, dtype_name: str, smoke: bool, siz
 
 def _continued(report, target, drafter, ids, reference, dtype_name: str, smoke: bool, sizes: dict) -> dict:
     """The one-liner (its defaults: the device round on CUDA; forced in the CPU smoke) continuing a cache
-    prefilled with all but the prompt's last 64 tokens, against the target's own output on the whole prompt."""
+    prefilled with all but the prompt's last 64 tokens, against the target's own output on the whole prompt; then
+    the same question on a copy of that cache, the drafter continuing the prompt it read in the first call."""
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
         target(ids[:, :-64], **cache_kwargs(cache))
+    again = copy.deepcopy(cache)
     config = {"device_round": True} if smoke else {}
     out, stats = _call(
         target, drafter, ids, sizes["new_tokens"], "budgeted", config, smoke, **cache_kwargs(cache)
@@ -132,6 +135,15 @@ def _continued(report, target, drafter, ids, reference, dtype_name: str, smoke: 
     row.update(runtime=stats.runtime, cache_tokens=cache.get_seq_length(), output_tokens=out.shape[1])
     report.check(f"{name}_length", cache.get_seq_length() == out.shape[1] - 1, row)
     report.check(f"{name}_device_round", (stats.runtime or {}).get("loop") == "device_round")
+    second, second_stats = _call(
+        target, drafter, ids, sizes["new_tokens"], "budgeted", config, smoke, **cache_kwargs(again)
+    )
+    row.update(
+        draft_prefill_seconds=stats.draft_prefill_seconds,
+        second_draft_prefill_seconds=second_stats.draft_prefill_seconds,
+        second_identical=bool(torch.equal(second, out)),
+    )
+    report.check(f"{name}_second_call_identical", row["second_identical"], row)
     return row
 
 

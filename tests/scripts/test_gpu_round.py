@@ -67,6 +67,7 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
         assert paths["device_round_sink_window_static"]["runtime"]["loop"] == "device_round"
         assert paths["transformers_loop_static"]["runtime"]["loop"] == "transformers"
         assert "oneliner_policy_dynamic" in paths
+        assert paths["continued_cache"]["second_identical"]  # the drafter continuing its last prompt
     assert real["speed"]["runtime"]["loop"] == "device_round" and real["speed"]["d_over_b"] > 0
 
 
