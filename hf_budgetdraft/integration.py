@@ -8,7 +8,7 @@
   static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa` and (float32 on CPU) on
   few-row linear layers — for that call only (`attention/scoped.py`, `cpu/few_row_linear.py`): the models are
   never written to, so calls in other threads on the same models are unaffected. A call continuing a prefilled
-  target cache lets the drafter's windowed prefill continue the prompt it read last (`generation/draft_prefix.py`).
+  target cache lets the drafter's prefill continue the prompt it read last (`generation/draft_prefix.py`).
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
