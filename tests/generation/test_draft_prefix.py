@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from test_prefilled import prefilled_cache
+from test_prefilled import FedLengths, prefilled_cache
 from tiny_models import model_pair, random_prompt, skip_unless_static
 
 from hf_budgetdraft import record_speculation
@@ -23,17 +23,12 @@ SIZES = {
 NEW_TOKENS = 24
 
 
-class PrefillFeeds:
-    """Tokens fed by each forward of the drafter that feeds more than one token (its prefill chunks)."""
+class PrefillFeeds(FedLengths):
+    """Tokens fed by each forward of the drafter that feeds more than one round's tokens (its prefill)."""
 
-    def __init__(self, drafter):
-        self.fed = []
-        drafter.register_forward_pre_hook(self._record, with_kwargs=True)
-
-    def _record(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and ids.shape[-1] > 3:  # a draft step feeds at most the round's tokens
-            self.fed.append(ids.shape[-1])
+    @property
+    def fed(self) -> list[int]:
+        return [n for n in self.lengths if n > 3]  # a draft step feeds at most the round's 3 tokens
 
 
 def speculate(target, drafter, ids, cache=None, name="budgeted", **config):
@@ -140,7 +135,7 @@ def test_new_weights_or_another_window_read_the_whole_prompt_again():
     assert sum(feeds.fed) == second.shape[1]
     with torch.no_grad():
         drafter.lm_head.weight.mul_(1.01)  # written in place: its version moves
-    feeds.fed.clear()
+    feeds.lengths.clear()
     speculate(target, drafter, first, cache, prefill_window=40)
     assert sum(feeds.fed) == first.shape[1]
 
