@@ -83,17 +83,22 @@ class RaggedFullLayer(RaggedLayer):
         self._allocate(key_states, value_states, max(self.owner.capacity, key_states.shape[-2]))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Row prefill `(1, H, L, D)`: store in the row, return as given. Step `(B, H, q, D)`: write each row at its
-        positions, return `(B, H, max_b L_b + q, D)`."""
+        """Row prefill of positions `[start, end)`, `(1, H, end - start, D)`: store in the row, return the row's
+        `(1, H, end, D)` (as given for a whole prompt). Step `(B, H, q, D)`: write each row at its positions, return
+        `(B, H, max_b L_b + q, D)`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         step = self.owner.step
         if step.row is not None:
             if step.end > self.keys.shape[-2]:
                 self._grow(step.end)
-            self.keys[step.row, :, : step.end] = key_states[0].detach()
-            self.values[step.row, :, : step.end] = value_states[0].detach()
-            return key_states, value_states
+            self.keys[step.row, :, step.start : step.end] = key_states[0].detach()
+            self.values[step.row, :, step.start : step.end] = value_states[0].detach()
+            if step.start == 0:
+                return key_states, value_states
+            return self.keys[step.row : step.row + 1, :, : step.end], self.values[
+                step.row : step.row + 1, :, : step.end
+            ]
         if step.end > self.keys.shape[-2]:
             self._grow(step.end)
         index = step.positions[:, None, :, None]  # (B, 1, q, 1)
@@ -111,9 +116,9 @@ class RaggedFullLayer(RaggedLayer):
 
 
 class RaggedStep:
-    """What one forward writes: a row's prefill (`row`, `end` = its prompt length), or a step of every row at
-    positions `(B, q)` (`end` = the keys the full layers return; `slots` `(B, q)` for slot layers; `spans`: each
-    row's `(L_b, n_b)`, its first position and the queries it needs, `n_b <= q`)."""
+    """What one forward writes: a row's prefill (`row`, positions `[start, end)` of its prompt), or a step of every
+    row at positions `(B, q)` (`end` = the keys the full layers return; `slots` `(B, q)` for slot layers; `spans`:
+    each row's `(L_b, n_b)`, its first position and the queries it needs, `n_b <= q`)."""
 
     def __init__(
         self,
@@ -121,8 +126,9 @@ class RaggedStep:
         row: int | None = None,
         positions: torch.Tensor | None = None,
         spans: list[tuple[int, int]] | None = None,
+        start: int = 0,
     ):
-        self.end, self.row, self.positions, self.spans = end, row, positions, spans
+        self.end, self.row, self.positions, self.spans, self.start = end, row, positions, spans, start
         self.slots: torch.Tensor | None = None
 
 
@@ -171,8 +177,8 @@ class RaggedCache(Cache):
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        # what a row prefill's mask is sized from: its own past (none)
-        return 0 if self.step is not None and self.step.row is not None else self.max_length
+        # what a row prefill's positions and mask are sized from: its own past (none, or its earlier chunks)
+        return self.step.start if self.step is not None and self.step.row is not None else self.max_length
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -181,12 +187,20 @@ class RaggedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     # -- one forward ---------------------------------------------------------------------------------------------
-    def prefill_row(self, row: int, length: int, device: torch.device) -> None:
-        """Set up the prefill of row `row`: the next forward is `(1, length)`, its prompt, with a causal mask."""
-        if not 0 <= row < self.num_rows or int(self.lengths[row]):
-            raise ValueError(f"row {row} is not an empty row of this {self.num_rows}-row RaggedCache")
+    def prefill_row(self, row: int, length: int, device: torch.device, start: int = 0) -> None:
+        """Set up the prefill of row `row`: the next forward is `(1, length - start)`, its prompt's positions
+        `[start, length)` (`start > 0`: a later chunk, after the row's first `start` tokens; full layers only), with
+        a causal mask."""
+        if not 0 <= row < self.num_rows or int(self.lengths[row]) != start:
+            raise ValueError(
+                f"row {row} of this {self.num_rows}-row RaggedCache does not hold exactly {start} tokens to prefill on from"
+            )
+        if start and not all(type(layer) is RaggedFullLayer for layer in self.layers):
+            raise ValueError(
+                "a row's prefill in chunks needs full KV layers (a sparse draft cache selects from the whole prompt)"
+            )
         self.lengths = self.lengths.to(device)
-        self.step = RaggedStep(length, row=row)
+        self.step = RaggedStep(length, row=row, start=start)
         self._before_forward(self.step)
         self.lengths[row] = length
 

@@ -99,20 +99,28 @@ class BatchedSpeculation:
 
     # -- forwards ------------------------------------------------------------------------------------------------
     def _prefill(
-        self, model, cache: RaggedCache, capture: bool = False, embeds: torch.Tensor | None = None
+        self,
+        model,
+        cache: RaggedCache,
+        capture: bool = False,
+        embeds: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
-        """Prefill every row on its own; `(B, V)` logits after each row's prompt. `embeds` `(B, P, H)`: the padded
-        prompt as `inputs_embeds`, read in place of the ids (the target's, when the call was given them)."""
+        """Prefill every row on its own, in forwards of at most `chunk` tokens (`None`: the whole prompt); `(B, V)`
+        logits after each row's prompt. `embeds` `(B, P, H)`: the padded prompt as `inputs_embeds`, read in place of
+        the ids (the target's, when the call was given them)."""
         logits = []
         for row in range(self.rows.shape[0]):
-            length = int(self.prompt_lengths[row])
-            cache.prefill_row(row, length, self.prompt.device)
-            if embeds is None:
-                inputs = {"input_ids": self.tokens[row : row + 1, :length]}
-            else:
-                inputs = {"inputs_embeds": embeds[row : row + 1, int(self.pads[row]) :]}
-            with query_capture(model) if capture else contextlib.nullcontext():
-                out = model(**inputs, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+            length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
+            for start in range(0, length, chunk or length):
+                end = length if chunk is None else min(start + chunk, length)
+                cache.prefill_row(row, end, self.prompt.device, start)
+                if embeds is None:
+                    inputs = {"input_ids": self.tokens[row : row + 1, start:end]}
+                else:
+                    inputs = {"inputs_embeds": embeds[row : row + 1, pad + start : pad + end]}
+                with query_capture(model) if capture else contextlib.nullcontext():
+                    out = model(**inputs, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits)
 
@@ -284,8 +292,15 @@ class BatchedSpeculation:
         if stats is not None:
             stats.candidate_generator = self
         start = time.perf_counter()
+        # transformers' prefill_chunk_size bounds the target's prefill forwards (its full cache: a sparse cache of
+        # the lossy mode, like the draft's, selects from a row's whole prompt)
+        chunk = self.config.prefill_chunk_size if self.drafter is not None else None
         logits = self._prefill(
-            self.target, self.target_cache, capture=_scores_queries(self.target_cache), embeds=inputs_embeds
+            self.target,
+            self.target_cache,
+            capture=_scores_queries(self.target_cache),
+            embeds=inputs_embeds,
+            chunk=chunk,
         )
         first = self._process(logits[:, None], input_ids[:, :0])[:, 0]
         first = torch.multinomial(first.softmax(-1), 1)[:, 0] if self.sample else first.argmax(-1)

@@ -233,6 +233,24 @@ def test_crop_rows_refuses_what_the_ring_lost():
         cache.crop_rows(torch.tensor([12]))
 
 
+def test_a_rows_prefill_in_chunks_continues_only_where_the_row_stands():
+    _, drafter = model_pair("llama", draft_layers=1)
+    cache = RaggedCache(drafter.config, 2, 64)
+    with torch.no_grad():
+        cache.prefill_row(0, 20, torch.device("cpu"))
+        drafter(input_ids=torch.arange(20)[None], **cache_kwargs(cache))
+    with pytest.raises(ValueError, match="does not hold exactly 10 tokens"):
+        cache.prefill_row(0, 30, torch.device("cpu"), start=10)
+    with pytest.raises(ValueError, match="does not hold exactly 0 tokens"):
+        cache.prefill_row(0, 30, torch.device("cpu"))
+    sparse = _ragged("budgeted", drafter.config, 1)
+    with torch.no_grad():
+        sparse.prefill_row(0, 20, torch.device("cpu"))
+        drafter(input_ids=torch.arange(20)[None], **cache_kwargs(sparse))
+    with pytest.raises(ValueError, match="selects from the whole prompt"):
+        sparse.prefill_row(0, 30, torch.device("cpu"), start=20)
+
+
 # -- sampling ------------------------------------------------------------------------------------------------------
 def sample_batch(target, drafter, ids, mask):
     """One batched sampling call on the budgeted draft cache: 2 new tokens a row, temperature 1, no top-k."""
@@ -437,3 +455,31 @@ def test_rows_stop_at_their_own_stopping_criterion():
     out = greedy(target, ids, mask, **call, assistant_model=drafter, cache_implementation="budgeted")
     assert torch.equal(out, expected)
     assert bool((out[0, ids.shape[1] + 8 :] == 0).all())  # row 0 stopped after its eighth token, padded
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_a_batch_prefills_the_target_in_the_calls_chunks(family, cache):
+    """`prefill_chunk_size=`: each row's target prefill runs in forwards of at most that many tokens (gemma2: its
+    sliding layers' window of 24 crosses the chunks), the drafter's whole (its cache selects from the whole prompt);
+    the output is the target's own."""
+    implementation = "sdpa" if supports(family, "sdpa") else "eager"
+    target, drafter = model_pair(family, implementation)
+    ids, mask, _ = padded_batch(LENGTHS[3], seed=7)
+    expected = greedy(target, ids, mask)
+    fed = []
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    out = greedy(
+        target,
+        ids,
+        mask,
+        assistant_model=drafter,
+        cache_implementation=cache,
+        cache_config=CACHES[cache],
+        prefill_chunk_size=32,
+    )
+    assert torch.equal(out, expected)
+    prefill = fed[: sum(-(-n // 32) for n in LENGTHS[3])]  # the rows' chunks: 130, 60 and 100 tokens
+    assert [shape[1] for shape in prefill] == [32] * 4 + [2] + [32, 28] + [32] * 3 + [4]

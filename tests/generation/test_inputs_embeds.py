@@ -126,13 +126,14 @@ def _padded_batch(target, seed: int):
     return ids, mask, soft_prompt(target, ids)
 
 
+@pytest.mark.parametrize("chunk", [None, 32])
 @pytest.mark.parametrize("name", sorted(SIZES))
-def test_a_batch_reads_each_rows_embeddings(name):
+def test_a_batch_reads_each_rows_embeddings(name, chunk):
     target, drafter = model_pair("qwen3", "sdpa", draft_layers=1)
     ids, mask, embeds = _padded_batch(target, seed=10)
     expected = greedy(target, ids, embeds, attention_mask=mask)
     assert not torch.equal(expected, greedy(target, ids, None, attention_mask=mask))
-    out = speculate(target, drafter, ids, embeds, name, attention_mask=mask)
+    out = speculate(target, drafter, ids, embeds, name, attention_mask=mask, prefill_chunk_size=chunk)
     assert torch.equal(out, expected)
 
 
