@@ -106,13 +106,6 @@ class WindowedPrefillCache(Cache):
             layers=[WindowedPrefillLayer(num_sink_tokens, window_length, prompt_length) for _ in layer_types]
         )
 
-    def prompt_states(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """`(keys, values)`: per layer, the prompt's `(B, H, L, D)` as written so far."""
-        return (
-            [layer.keys[:, :, : layer.length] for layer in self.layers],
-            [layer.values[:, :, : layer.length] for layer in self.layers],
-        )
-
 
 @torch.no_grad()
 def windowed_prefill(
@@ -148,6 +141,16 @@ def prefill_in_chunks(
         out = model(**piece, position_ids=positions, **cache_kwargs(cache), use_cache=True, **forward_kwargs)
         logits = out.logits[:, -1]
     return logits
+
+
+def recorded(cache: Cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`(keys, values)`: per layer, the `(B, H, L, D)` a prefill wrote into `cache` (a `WindowedPrefillCache`, or a
+    `DynamicCache` of full-attention layers) so far; what `fill_from_prefix` takes."""
+    lengths = [layer.get_seq_length() for layer in cache.layers]
+    return (
+        [layer.keys[:, :, :n] for layer, n in zip(cache.layers, lengths, strict=True)],
+        [layer.values[:, :, :n] for layer, n in zip(cache.layers, lengths, strict=True)],
+    )
 
 
 def fill_from_prefix(cache: Cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> Cache:

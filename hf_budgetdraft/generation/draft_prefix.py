@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache
 
-from ..cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, prefill_in_chunks
+from ..cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, prefill_in_chunks, recorded
 
 _reusing: ContextVar[bool] = ContextVar("budgetdraft_reuse_draft_prefix", default=False)
 _prompts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafter -> _ReadPrompt
@@ -96,15 +96,6 @@ def _prefill(
     with _lock:
         _prompts[model] = _ReadPrompt(settings, ids.clone(), *recorded(recorder))
     return logits
-
-
-def recorded(recorder: Cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`(keys, values)`: per layer, the `(B, H, L, D)` a prefill recorded in `recorder`."""
-    lengths = [layer.get_seq_length() for layer in recorder.layers]
-    return (
-        [layer.keys[:, :, :n] for layer, n in zip(recorder.layers, lengths, strict=True)],
-        [layer.values[:, :, :n] for layer, n in zip(recorder.layers, lengths, strict=True)],
-    )
 
 
 def _weights_version(model) -> tuple:

@@ -23,7 +23,7 @@ from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache, is_full_attention_only
-from ..cache.windowed_prefill import fill_from_prefix
+from ..cache.windowed_prefill import fill_from_prefix, recorded
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix
@@ -150,11 +150,11 @@ class Prefill:
         model, cache = self.eager.model, self.eager.cache
         if self.window is not None and feed.shape[1] > self.window and mask is None:
             recorder, logits = draft_prefix.windowed_prefill(model, feed, self.num_sink_tokens, self.window)
-            fill_from_prefix(cache, *draft_prefix.recorded(recorder))
+            fill_from_prefix(cache, *recorded(recorder))
             logits = logits.float()
         elif self._continues_full_prefill(mask):
             recorder, logits = draft_prefix.full_prefill(model, feed)
-            fill_from_prefix(cache, *draft_prefix.recorded(recorder))
+            fill_from_prefix(cache, *recorded(recorder))
             logits = logits.float()
         else:
             with query_capture(model) if self.capture_queries else contextlib.nullcontext():

@@ -32,7 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..attention.query_capture import cancel_request, query_capture, request_queries
 from ..cache import BudgetedCache, DraftLayer, KeepPolicy, SinkWindowCache, SparseDraftCache, get_policy
-from ..cache.windowed_prefill import windowed_prefill
+from ..cache.windowed_prefill import recorded, windowed_prefill
 from ..compat import cache_kwargs
 from .per_query_view import PerQueryView
 
@@ -124,7 +124,7 @@ def run_shared_prefix(
                 "a windowed prefix prefill cannot capture prefill queries for a query-scored policy"
             )
         recorder, _ = windowed_prefill(model, prefix_ids, num_sink_tokens, prefill_window, config=base.config)
-        keys, values = recorder.prompt_states()
+        keys, values = recorded(recorder)
         return SharedPrefix(keys=keys, values=values, queries=[None] * len(keys), length=prefix_ids.shape[1])
     layer_types = _layer_types(base.config)
     layers = [

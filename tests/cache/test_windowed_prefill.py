@@ -9,7 +9,12 @@ from transformers import DynamicCache
 
 from hf_budgetdraft import BudgetedCache, DraftSpec, record_speculation
 from hf_budgetdraft.attention.function_parts import as_additive
-from hf_budgetdraft.cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, windowed_prefill
+from hf_budgetdraft.cache.windowed_prefill import (
+    WindowedPrefillCache,
+    fill_from_prefix,
+    recorded,
+    windowed_prefill,
+)
 from hf_budgetdraft.generation import draft_prefix
 from hf_budgetdraft.generation.spec import DEFAULT_PREFILL_WINDOW
 from hf_budgetdraft.trainer.views import SparseViewSpec, run_shared_prefix, view_logits
@@ -39,7 +44,7 @@ def test_each_chunk_reads_the_sink_the_window_before_it_and_itself(attn):
     with torch.no_grad():
         reference = drafter(ids, attention_mask=mask, cache=reference_cache)
     torch.testing.assert_close(last, reference.logits[:, -1], rtol=1e-4, atol=1e-4)
-    keys, values = recorder.prompt_states()
+    keys, values = recorded(recorder)
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         torch.testing.assert_close(k, reference_cache.layers[layer].keys, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v, reference_cache.layers[layer].values, rtol=1e-4, atol=1e-5)
@@ -99,7 +104,7 @@ def test_the_draft_cache_after_a_windowed_prefill_holds_what_training_views_sele
             BudgetedCache(
                 drafter.config, budget=24, policy="chunk", policy_kwargs={"chunk_size": 4}, window_length=16
             ),
-            *recorder.prompt_states(),
+            *recorded(recorder),
         )
         deployed = torch.cat(
             [drafter(continuation[:, t : t + 1], cache=cache).logits for t in range(8)], dim=1
