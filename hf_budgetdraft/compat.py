@@ -59,6 +59,7 @@ _GENERATION_STEPS = {
     ),
     "_sample": ("input_ids", "generation_config"),
     "prepare_inputs_for_generation": ("input_ids", "next_sequence_length", "is_first_iteration"),
+    "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
 }
 _CANDIDATE_GENERATOR_STEPS = (
     "get_candidates",

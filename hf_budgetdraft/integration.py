@@ -1,7 +1,7 @@
 """The one place that hooks into transformers' `generate()` (the releases it supports: `compat.py`).
 
 `install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
-`"budgeted"` valid and wraps five `GenerationMixin` steps:
+`"budgeted"` valid and wraps six `GenerationMixin` steps:
 
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
@@ -24,6 +24,9 @@
   prefilled once), or prefilled in `prefill_chunk_size` chunks, feeds its first verification only the tokens that
   cache does not hold, and a prompt given as `inputs_embeds` with its drafts' embeddings after it
   (`generation/prefilled.py`).
+- `_validate_generation_mode`: a sampling call drafting on a sparse cache may ask for `num_return_sequences > 1`
+  (transformers refuses it for assisted calls): transformers repeats the prompts, the batched loop samples every
+  copy and prefills each distinct prompt once.
 - `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched_loop.py` with no
   draft, so each row's sink / selection is of its own tokens, not of the padding.
 
@@ -35,6 +38,7 @@ Every other `generate()` call goes to transformers untouched.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -393,6 +397,7 @@ def _keep_given_cache(cache, generation_config, rows: int) -> None:
             "whole prompt), or draft with assistant_model=, which continues a cache passed to generate()"
         )
     spec = DraftSpec.from_cache_config(generation_config.cache_implementation, generation_config.cache_config)
+    rows *= generation_config.num_return_sequences or 1  # the rows after transformers repeats the prompts
     check_target_cache(cache, rows, spec.runs_batched(rows))
     cache._is_user_defined = True
 
@@ -415,6 +420,29 @@ def _sample(stock, self, *args, **kwargs):
         spec = DraftSpec.from_cache_config(name, generation_config.cache_config)
         return run_sparse_batch(self, spec, input_ids, generation_config, kwargs)
     return stock(self, *args, **kwargs)
+
+
+def _validate_generation_mode(stock, self, generation_mode, generation_config, generation_mode_kwargs):
+    """transformers' checks, except that a sampling call drafting on a sparse cache may ask for
+    `num_return_sequences > 1`: transformers repeats each prompt that many times and the batched loop samples every
+    copy on its own, prefilling each distinct prompt once."""
+    if _samples_several(generation_mode, generation_config, generation_mode_kwargs):
+        generation_config = copy.copy(
+            generation_config
+        )  # the call's own config keeps its count for the expansion
+        generation_config.num_return_sequences = 1
+    return stock(self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+def _samples_several(generation_mode, generation_config, generation_mode_kwargs) -> bool:
+    return (
+        generation_mode == GenerationMode.ASSISTED_GENERATION
+        and generation_config.cache_implementation in SPARSE_CACHE_IMPLEMENTATIONS
+        and bool(generation_config.do_sample)
+        and (generation_config.num_return_sequences or 1) > 1
+        and generation_mode_kwargs.get("assistant_model") is not None
+        and not (generation_config.use_mtp or generation_config.speculation_type == "dflash")
+    )
 
 
 def _can_use_growable(model, generation_config) -> bool:
@@ -455,6 +483,7 @@ STEPS = (
     _assisted_decoding,
     _sample,
     prepare_inputs_for_generation,
+    _validate_generation_mode,
 )
 
 

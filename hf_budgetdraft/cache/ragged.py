@@ -53,6 +53,10 @@ class RaggedLayer(CacheLayerMixin):
         if self.is_initialized:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
+    def copy_row(self, source: int, target: int) -> None:
+        if self.is_initialized:
+            self.keys[target], self.values[target] = self.keys[source], self.values[source]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.mask_sizes(query_length)
 
@@ -266,6 +270,18 @@ class RaggedCache(Cache):
                 "[0, length]"
             )
         return self.lengths - remove
+
+    def copy_row(self, source: int, target: int) -> None:
+        """Make row `target` (empty) hold what row `source` holds: a row whose prompt equals a prefilled one's."""
+        rows = self.lengths.shape[0]
+        if not (0 <= source < rows and 0 <= target < rows) or int(self.lengths[target]):
+            raise ValueError(
+                f"copy_row({source}, {target}) on a {rows}-row RaggedCache with lengths "
+                f"{self.lengths.tolist()}; expected two rows of it, the second empty"
+            )
+        self.lengths[target] = self.lengths[source]
+        for layer in self.layers:
+            layer.copy_row(source, target)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the rows `rows` (`(B',)` long indices), in that order (finished rows leave the batch)."""

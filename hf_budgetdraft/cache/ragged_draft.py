@@ -213,6 +213,11 @@ class RaggedDraftCache(RaggedCache):
         self.lengths = lengths
         self.slot_positions = held
 
+    def copy_row(self, source: int, target: int) -> None:
+        super().copy_row(source, target)
+        for state in (self.slot_positions, self.ring_start, self.num_kept, self.floor):
+            state[target] = state[source]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         super().keep_rows(rows)
         self.slot_positions, self.ring_start = self.slot_positions[rows], self.ring_start[rows]

@@ -108,9 +108,14 @@ class BatchedSpeculation:
     ) -> torch.Tensor:
         """Prefill every row on its own, in forwards of at most `chunk` tokens (`None`: the whole prompt); `(B, V)`
         logits after each row's prompt. `embeds` `(B, P, H)`: the padded prompt as `inputs_embeds`, read in place of
-        the ids (the target's, when the call was given them)."""
+        the ids (the target's, when the call was given them). A row whose prompt equals an earlier row's (the
+        copies of `num_return_sequences`) copies that row's cache and logits instead."""
         logits = []
-        for row in range(self.rows.shape[0]):
+        for row, same in enumerate(self._earlier_equal_rows(embeds)):
+            if same is not None:
+                cache.copy_row(same, row)
+                logits.append(logits[same])
+                continue
             length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
             for start in range(0, length, chunk or length):
                 end = length if chunk is None else min(start + chunk, length)
@@ -123,6 +128,23 @@ class BatchedSpeculation:
                     out = model(**inputs, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits)
+
+    def _earlier_equal_rows(self, embeds: torch.Tensor | None) -> list[int | None]:
+        """For each row, the first earlier row whose prompt (its ids, and its `embeds` when given) equals it, or
+        `None`."""
+        first_with: dict[tuple[int, int], int] = {}
+        earlier: list[int | None] = []
+        for row in range(self.rows.shape[0]):
+            length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
+            ids = self.tokens[row, :length]
+            key = (length, hash(ids.cpu().numpy().tobytes()))
+            same = first_with.setdefault(key, row)
+            equal = same != row and torch.equal(ids, self.tokens[same, :length])
+            if equal and embeds is not None:
+                other = int(self.pads[same])
+                equal = torch.equal(embeds[row, pad:], embeds[same, other : other + length])
+            earlier.append(same if equal else None)
+        return earlier
 
     def _step(
         self, model, cache: RaggedCache, tokens: torch.Tensor, needed: torch.Tensor | None = None
