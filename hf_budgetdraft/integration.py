@@ -397,8 +397,8 @@ def _keep_given_cache(cache, generation_config, rows: int) -> None:
             "whole prompt), or draft with assistant_model=, which continues a cache passed to generate()"
         )
     spec = DraftSpec.from_cache_config(generation_config.cache_implementation, generation_config.cache_config)
-    rows *= generation_config.num_return_sequences or 1  # the rows after transformers repeats the prompts
-    check_target_cache(cache, rows, spec.runs_batched(rows))
+    copies = generation_config.num_return_sequences or 1  # transformers repeats each prompt that many times
+    check_target_cache(cache, rows * copies, spec.runs_batched(rows * copies), copies)
     cache._is_user_defined = True
 
 

@@ -23,10 +23,21 @@ import math
 
 import torch
 from transformers import Cache, PreTrainedConfig
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..attention.function_parts import as_additive
+from .growable import GrowableLayer
 from .sizes import MAX_CACHE_TOKENS
+
+# the one-row transformers cache layers a ragged row can start from: full ones hold positions [0, L) from their
+# start, the dynamic sliding one its last tokens
+SEEDABLE_LAYERS = (DynamicLayer, GrowableLayer, StaticLayer, DynamicSlidingWindowLayer)
 
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -282,6 +293,51 @@ class RaggedCache(Cache):
         self.lengths[target] = self.lengths[source]
         for layer in self.layers:
             layer.copy_row(source, target)
+
+    def seed_row(self, row: int, source: Cache) -> int:
+        """Fill empty row `row` with what `source`, a one-row transformers cache of the same model (dynamic,
+        growable or static), holds; returns its length L. The row's prefill then continues at position L."""
+        held = int(source.get_seq_length())
+        if len(source.layers) != len(self.layers) or int(self.lengths[row]):
+            raise ValueError(
+                f"seed_row({row}) from a {len(source.layers)}-layer cache into row {row} of a {len(self.layers)}-layer "
+                f"RaggedCache with lengths {self.lengths.tolist()}; expected the same model's cache and an empty row"
+            )
+        for idx, (layer, given) in enumerate(zip(self.layers, source.layers, strict=True)):
+            if held == 0:
+                break
+            keys, values = self._held_states(idx, layer, given, held)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys, values)
+            layer.keys[row, :, held - keys.shape[-2] : held] = keys[0]
+            layer.values[row, :, held - keys.shape[-2] : held] = values[0]
+        self.lengths[row] = held
+        return held
+
+    @staticmethod
+    def _held_states(idx: int, layer, given, held: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(1, H, n, D)` keys/values of the last `n` positions before `held` that `given` keeps (n = held for a
+        full layer)."""
+        sliding = bool(getattr(given, "is_sliding", False))
+        usable = type(given) in SEEDABLE_LAYERS and not (sliding and isinstance(given, StaticLayer))
+        if not usable or type(layer) is not RaggedFullLayer or sliding != layer.is_sliding:
+            raise ValueError(
+                f"layer {idx} of the cache passed is a {type(given).__name__}; a batched call starts its rows from "
+                "a one-row DynamicCache, GrowableCache or StaticCache of the target (a static cache's layers full "
+                "attention)"
+            )
+        if given.keys.shape[0] != 1:
+            raise ValueError(
+                f"the cache passed holds {given.keys.shape[0]} rows; a batched call starts its rows from a one-row "
+                "cache (the prompt's prefix, prefilled once)"
+            )
+        if sliding:
+            return given.keys, given.values
+        if given.keys.shape[-2] < held:
+            raise ValueError(
+                f"layer {idx} of the cache passed keeps {given.keys.shape[-2]} of its {held} tokens"
+            )
+        return given.keys[:, :, :held], given.values[:, :, :held]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the rows `rows` (`(B',)` long indices), in that order (finished rows leave the batch)."""

@@ -31,11 +31,11 @@ from ..attention.query_capture import query_capture
 from ..attention.ragged_rows import ragged_rows
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_draft import RaggedDraftCache
-from ..compat import cache_kwargs
+from ..compat import CACHE_KWARG, cache_kwargs
 from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .plan import DraftPlan
-from .prefilled import check_embeds
+from .prefilled import check_embeds, check_prompt_extends
 from .processors import LENGTH_ONLY, SCORE_ONLY, suppress_eos
 from .stats import active_recorder
 
@@ -117,7 +117,7 @@ class BatchedSpeculation:
                 logits.append(logits[same])
                 continue
             length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
-            for start in range(0, length, chunk or length):
+            for start in range(int(cache.lengths[row]), length, chunk or length):  # past a seeded prefix
                 end = length if chunk is None else min(start + chunk, length)
                 cache.prefill_row(row, end, self.prompt.device, start)
                 if embeds is None:
@@ -128,6 +128,16 @@ class BatchedSpeculation:
                     out = model(**inputs, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             logits.append(out.logits[0, -1].float())
         return torch.stack(logits)
+
+    def _seed_target(self, prefix, input_ids: torch.LongTensor) -> None:
+        """Start the target's first row from `prefix` (the rows equal to it copy it at the prefill)."""
+        check_prompt_extends(int(prefix.get_seq_length()), input_ids)
+        if bool(self.pads.any()) or not bool((input_ids == input_ids[:1]).all()):
+            raise ValueError(
+                "a target cache passed to a batched call is the prefix of one prompt sampled several times "
+                "(num_return_sequences); got rows that differ or are padded. Drop cache=, or pass one prompt"
+            )
+        self.target_cache.seed_row(0, prefix)
 
     def _earlier_equal_rows(self, embeds: torch.Tensor | None) -> list[int | None]:
         """For each row, the first earlier row whose prompt (its ids, and its `embeds` when given) equals it, or
@@ -304,12 +314,16 @@ class BatchedSpeculation:
     # -- the call ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def run(
-        self, input_ids, attention_mask, draft_length, stats=None, inputs_embeds=None
+        self, input_ids, attention_mask, draft_length, stats=None, inputs_embeds=None, prefix=None
     ) -> torch.LongTensor:
         """Generate for every row; `(B, P + n)` sequences, rows that stopped early padded with `pad_token_id`.
-        `inputs_embeds` `(B, P, H)`: the target reads the prompt as these embeddings (the drafter reads the ids)."""
+        `inputs_embeds` `(B, P, H)`: the target reads the prompt as these embeddings (the drafter reads the ids).
+        `prefix`: a one-row target cache holding the first tokens of the prompt every row repeats (the copies of
+        `num_return_sequences`); the target's prefill continues it, and it is read, never written."""
         check_embeds(inputs_embeds, input_ids)
         self._setup(input_ids, attention_mask)
+        if prefix is not None and prefix.get_seq_length() > 0:
+            self._seed_target(prefix, input_ids)
         self.draft_length = draft_length
         if stats is not None:
             stats.candidate_generator = self
@@ -422,6 +436,7 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
         for_rows(plan, input_ids.shape[0]),
         stats=active_recorder(),
         inputs_embeds=kwargs.get("inputs_embeds"),
+        prefix=kwargs.get(CACHE_KWARG),
     )
     return _output(sequences, generation_config)
 

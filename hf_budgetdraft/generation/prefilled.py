@@ -99,8 +99,9 @@ def _put_back(layer, saved) -> None:
             setattr(layer, name, value)
 
 
-def check_target_cache(cache, rows: int, runs_batched: bool) -> None:
-    """Refuse a cache a speculative call on a sparse draft cache cannot continue, before anything is written to it."""
+def check_target_cache(cache, rows: int, runs_batched: bool, copies: int = 1) -> None:
+    """Refuse a cache a speculative call on a sparse draft cache cannot continue, before anything is written to it
+    (`rows`: the call's rows, `copies` of each prompt: `num_return_sequences`)."""
     if not isinstance(cache, Cache):
         raise TypeError(
             f"the target's cache must be a transformers Cache (e.g. DynamicCache, or the past_key_values of an "
@@ -112,11 +113,11 @@ def check_target_cache(cache, rows: int, runs_batched: bool) -> None:
             "target verifies on a full cache: pass the target's own cache (a DynamicCache, or an earlier "
             "speculative call's past_key_values), or none"
         )
-    if runs_batched:
+    if runs_batched and not (copies > 1 and rows == copies):
         raise ValueError(
-            f"a target cache passed to generate() is continued one sequence at a time; this call runs the batched "
-            f"loop ({rows} rows, or cache_config full_draft_cache=True), which builds its own: drop cache=, or "
-            "generate the rows one by one"
+            f"a target cache passed to generate() is continued one sequence at a time, or by the samples of one "
+            f"prompt (num_return_sequences); this call runs the batched loop ({rows} rows, or cache_config "
+            "full_draft_cache=True), which builds its own: drop cache=, or generate the rows one by one"
         )
 
 

@@ -11,5 +11,5 @@ def test_a_tiny_run_writes_its_table(tmp_path):
     bench.main(["--threads", "1", *sizes, "--out", str(tmp_path / "ss")])
     result = json.loads((tmp_path / "ss.json").read_text())
     assert len(result["rows"]) == 2 and result["meta"]["samples"] == 3
-    assert result["summary"]["ar"]["speed_vs_ar"] == 1.0
-    assert "| one_liner_sequential |" in (tmp_path / "ss.md").read_text()
+    assert result["summary"]["ar_sequential"]["speed_vs_ar_sequential"] == 1.0
+    assert "| one_liner_continued |" in (tmp_path / "ss.md").read_text()

@@ -6,10 +6,10 @@ rather than reading the prompt again."""
 import pytest
 import torch
 from test_batched import _ragged, padded_batch
-from tiny_models import model_pair, random_prompt
-from transformers import DynamicCache
+from tiny_models import model_pair, random_prompt, supports
+from transformers import DynamicCache, StaticCache
 
-from hf_budgetdraft import record_speculation
+from hf_budgetdraft import GrowableCache, record_speculation
 from hf_budgetdraft.cache.ragged import RaggedCache
 from hf_budgetdraft.compat import cache_kwargs
 
@@ -191,13 +191,72 @@ def test_what_transformers_refuses_stays_refused():
         )
 
 
-def test_a_prefilled_cache_with_several_samples_is_refused_before_it_is_written():
-    """The copies run the batched loop, which builds its own caches: a cache passed in would be left unread."""
+@pytest.mark.parametrize(
+    "family, cache_class, chunk",
+    [
+        ("llama", DynamicCache, None),
+        ("llama", StaticCache, None),
+        ("llama", GrowableCache, 16),
+        ("gemma2", DynamicCache, 16),
+    ],
+)
+def test_the_samples_continue_a_prefilled_cache_and_leave_it_as_it_was(family, cache_class, chunk):
+    """A document prefilled once, n samples of a question after it: at top_k=1 each is the target's own output on
+    the whole prompt; the target reads only the question (once: the copies share it), in `prefill_chunk_size`
+    chunks, and the cache passed still holds the document alone (gemma2: its sliding layers keep the window's
+    last tokens)."""
+    target, drafter = model_pair(family, "sdpa" if supports(family, "sdpa") else "eager", draft_layers=1)
+    ids = random_prompt(120, seed=11)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    kwargs = {"max_cache_len": 300} if cache_class is StaticCache else {}
+    cache = cache_class(config=target.config, **kwargs)
+    with torch.no_grad():
+        target(input_ids=ids[:, :90], **cache_kwargs(cache))
+    before = [layer.keys[:, :, :90].clone() for layer in cache.layers]
+    fed = prefill_lengths(target)
+    out = sample(
+        target,
+        drafter,
+        ids,
+        torch.ones_like(ids),
+        **cache_kwargs(cache),
+        top_k=1,
+        num_return_sequences=3,
+        prefill_chunk_size=chunk,
+    )
+    assert torch.equal(out, expected.repeat(3, 1))
+    assert fed == ([30] if chunk is None else [16, 14])
+    assert cache.get_seq_length() == 90
+    assert all(torch.equal(a, layer.keys[:, :, :90]) for a, layer in zip(before, cache.layers, strict=True))
+
+
+def test_what_a_batched_call_cannot_start_from_is_refused_before_anything_is_written():
     target, drafter = model_pair("llama", "sdpa", draft_layers=1)
     ids = random_prompt(40)
-    cache = DynamicCache(config=target.config)
+    two_rows = DynamicCache(config=target.config)
     with torch.no_grad():
-        target(input_ids=ids[:, :30], **cache_kwargs(cache))
-    with pytest.raises(ValueError, match="3 rows"):
-        sample(target, drafter, ids, torch.ones_like(ids), **cache_kwargs(cache), num_return_sequences=3)
-    assert cache.get_seq_length() == 30
+        target(input_ids=ids[:, :30].repeat(2, 1), **cache_kwargs(two_rows))
+    with pytest.raises(ValueError, match="2 rows"):
+        sample(target, drafter, ids, torch.ones_like(ids), **cache_kwargs(two_rows), num_return_sequences=3)
+    batch = ids.repeat(2, 1)
+    one_row = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=ids[:, :30], **cache_kwargs(one_row))
+    with pytest.raises(ValueError, match="4 rows"):
+        sample(
+            target, drafter, batch, torch.ones_like(batch), **cache_kwargs(one_row), num_return_sequences=2
+        )
+    with pytest.raises(ValueError, match="holds 30 tokens but the prompt has 30"):
+        sample(target, drafter, ids[:, :30], None, **cache_kwargs(one_row), num_return_sequences=2)
+    assert two_rows.get_seq_length() == one_row.get_seq_length() == 30
+
+
+def test_a_static_sliding_cache_is_refused():
+    """A static cache's sliding layers keep a ring of the window, not positions: nothing to start a row from."""
+    target, drafter = model_pair("gemma2", "eager", draft_layers=1)
+    ids = random_prompt(60)
+    cache = StaticCache(config=target.config, max_cache_len=128)
+    with torch.no_grad():
+        target(input_ids=ids[:, :50], **cache_kwargs(cache))
+    with pytest.raises(ValueError, match="StaticSlidingWindowLayer"):
+        sample(target, drafter, ids, torch.ones_like(ids), **cache_kwargs(cache), num_return_sequences=2)
