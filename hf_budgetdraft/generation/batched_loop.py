@@ -31,6 +31,7 @@ from ..attention.query_capture import query_capture
 from ..attention.ragged_rows import ragged_rows
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_draft import RaggedDraftCache
+from ..cache.windowed_prefill import fill_from_prefix, recorded, windowed_prefill
 from ..compat import CACHE_KWARG, cache_kwargs
 from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
@@ -105,11 +106,13 @@ class BatchedSpeculation:
         capture: bool = False,
         embeds: torch.Tensor | None = None,
         chunk: int | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Prefill every row on its own, in forwards of at most `chunk` tokens (`None`: the whole prompt); `(B, V)`
         logits after each row's prompt. `embeds` `(B, P, H)`: the padded prompt as `inputs_embeds`, read in place of
-        the ids (the target's, when the call was given them). A row whose prompt equals an earlier row's (the
-        copies of `num_return_sequences`) copies that row's cache and logits instead."""
+        the ids (the target's, when the call was given them). `window`: the drafter's windowed prefill of a row
+        longer than it (`cache/windowed_prefill.py`). A row whose prompt equals an earlier row's (the copies of
+        `num_return_sequences`) copies that row's cache and logits instead."""
         logits = []
         for row, same in enumerate(self._earlier_equal_rows(embeds)):
             if same is not None:
@@ -117,6 +120,9 @@ class BatchedSpeculation:
                 logits.append(logits[same])
                 continue
             length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
+            if window is not None and length > window:
+                logits.append(self._windowed_prefill(model, cache, row, window))
+                continue
             for start in range(int(cache.lengths[row]), length, chunk or length):  # past a seeded prefix
                 end = length if chunk is None else min(start + chunk, length)
                 cache.prefill_row(row, end, self.prompt.device, start)
@@ -138,6 +144,17 @@ class BatchedSpeculation:
                 "(num_return_sequences); got rows that differ or are padded. Drop cache=, or pass one prompt"
             )
         self.target_cache.seed_row(0, prefix)
+
+    def _windowed_prefill(self, model, cache: RaggedCache, row: int, window: int) -> torch.Tensor:
+        """Prefill row `row` in chunks of `window` tokens, each reading the sink and the `window` tokens before it,
+        then fill the row from the recorded keys/values as its own forward would; `(V,)` logits."""
+        length = int(self.prompt_lengths[row])
+        recorder, logits = windowed_prefill(
+            model, self.tokens[row : row + 1, :length], self.plan.spec.num_sink_tokens, window
+        )
+        cache.prefill_row(row, length, self.prompt.device)
+        fill_from_prefix(cache, *recorded(recorder))
+        return logits[0].float()
 
     def _earlier_equal_rows(self, embeds: torch.Tensor | None) -> list[int | None]:
         """For each row, the first earlier row whose prompt (its ids, and its `embeds` when given) equals it, or
@@ -342,7 +359,12 @@ class BatchedSpeculation:
         first = torch.multinomial(first.softmax(-1), 1)[:, 0] if self.sample else first.argmax(-1)
         prefill_end = time.perf_counter()
         if self.drafter is not None:
-            self._prefill(self.drafter, self.draft_cache, capture=_scores_queries(self.draft_cache))
+            self._prefill(
+                self.drafter,
+                self.draft_cache,
+                capture=_scores_queries(self.draft_cache),
+                window=self.plan.spec.prefill_window,
+            )
         draft_prefill = time.perf_counter() - prefill_end
         self.cache_bytes = {
             "target": self.target_cache.nbytes(),

@@ -166,7 +166,7 @@ def resolve_plan(
     call asks that the device round does not do), from the rules of the drafter's device (`device_rules.py`);
     `DraftPlan.reasons` says why each choice came out as it did."""
     rules = device_rules(drafter.device, drafter.dtype)
-    window, window_reason = window_choice(spec, drafter, batched, rules)
+    window, window_reason = window_choice(spec, drafter, rules)
     spec = spec.replace(prefill_window=window)
     if batched:
         if True in (spec.static, spec.lean_step, spec.compile):

@@ -77,13 +77,17 @@ def asked_or(value, batched: bool, rule: str) -> str:
     return "cache_config" if value != AUTO else rule
 
 
-def window_choice(spec: DraftSpec, drafter, batched: bool, rules: DeviceRules) -> tuple[int | None, str]:
-    """`(prefill window, why)`: `"auto"` windows where the drafter allows it, on a device whose rules allow it."""
-    window = spec.resolved_prefill_window(drafter.config, batched)
-    if spec.prefill_window != AUTO or batched:
-        return window, asked_or(spec.prefill_window, batched, "")
+def window_choice(spec: DraftSpec, drafter, rules: DeviceRules) -> tuple[int | None, str]:
+    """`(prefill window, why)`: `"auto"` windows where the drafter allows it, on a device whose rules allow it (a
+    batch's rows too: each row's prompt is prefilled on its own)."""
+    window = spec.resolved_prefill_window(drafter.config)
+    if spec.prefill_window != AUTO:
+        return window, "cache_config"
     if window is None:
-        return None, "the drafter's layers or its policy's prefill queries need a full prefill"
+        return (
+            None,
+            "the drafter's layers, its policy's prefill queries or a full draft cache need a full prefill",
+        )
     return (window if rules.prefill_window else None), rules.reasons["prefill_window"]
 
 

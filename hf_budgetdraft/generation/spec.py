@@ -245,17 +245,16 @@ class DraftSpec:
             self.cache == "budgeted" and get_policy(self.policy, **(self.policy_kwargs or {})).reads_queries
         )
 
-    def resolved_prefill_window(self, drafter_config, batched: bool) -> int | None:
-        """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (`batched`: a call of
-        several rows, which prefills each row in full)."""
+    def resolved_prefill_window(self, drafter_config) -> int | None:
+        """`prefill_window` for a call: `"auto"` decided for a drafter of `drafter_config` (a full draft cache, the
+        baseline that reads every past token, prefills in full)."""
         if self.prefill_window != AUTO:
-            if batched and self.prefill_window is not None:
-                raise ValueError(
-                    "prefill_window is a single-sequence fast path; a batch prefills each row's draft cache in full. "
-                    "Drop it from cache_config for batched calls"
-                )
             return self.prefill_window
-        applies = not batched and not self.query_scored and not layers_besides_full_attention(drafter_config)
+        applies = (
+            not self.full_draft_cache
+            and not self.query_scored
+            and not layers_besides_full_attention(drafter_config)
+        )
         return DEFAULT_PREFILL_WINDOW if applies else None
 
     def runs_batched(self, rows: int) -> bool:

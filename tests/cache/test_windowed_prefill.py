@@ -121,38 +121,26 @@ def test_bad_prefill_windows():
         DraftSpec(prefill_window="full")
     with pytest.raises(ValueError, match="scores the prefix with the prefill's queries"):
         DraftSpec(policy="snapkv", prefill_window=64)
-    target, drafter = model_pair("llama", "sdpa")
-    batch = random_prompt(40, seed=7).repeat(2, 1)
-    with pytest.raises(ValueError, match="prefill_window is a single-sequence fast path"):
-        target.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            assistant_model=drafter,
-            max_new_tokens=4,
-            cache_implementation="budgeted",
-            cache_config={"prefill_window": 16},
-        )
     _, hybrid = model_pair("gemma2", "eager")
     with pytest.raises(ValueError, match="all full attention"):
         WindowedPrefillCache(hybrid.config, SINK, WINDOW, 40)
 
 
 def test_the_default_prefills_windowed_where_it_applies_and_says_so():
-    """`prefill_window="auto"` (the default): 1024-token chunks for one sequence, a full-attention drafter and a
-    policy that does not score with the prefill's queries; a full prefill otherwise, and `None` switches it off."""
+    """`prefill_window="auto"` (the default): 1024-token chunks for a full-attention drafter and a policy that does not
+    score with the prefill's queries; a full prefill otherwise (and for the full-draft-cache baseline), and `None`
+    switches it off."""
     _, drafter = model_pair("llama", "sdpa")
     _, sliding = model_pair("gemma2", "eager")
     assert DraftSpec().prefill_window == "auto" and "prefill_window" not in DraftSpec().to_cache_config()
-    assert (
-        DraftSpec().resolved_prefill_window(drafter.config, batched=False) == DEFAULT_PREFILL_WINDOW == 1024
-    )
-    assert DraftSpec(cache="sink_window").resolved_prefill_window(drafter.config, batched=False) == 1024
-    assert DraftSpec().resolved_prefill_window(drafter.config, batched=True) is None
-    assert DraftSpec().resolved_prefill_window(sliding.config, batched=False) is None
+    assert DraftSpec().resolved_prefill_window(drafter.config) == DEFAULT_PREFILL_WINDOW == 1024
+    assert DraftSpec(cache="sink_window").resolved_prefill_window(drafter.config) == 1024
+    assert DraftSpec(full_draft_cache=True).resolved_prefill_window(drafter.config) is None
+    assert DraftSpec().resolved_prefill_window(sliding.config) is None
     snapkv = DraftSpec(policy="snapkv", policy_kwargs={"window_size": 4})
-    assert snapkv.resolved_prefill_window(drafter.config, batched=False) is None
-    assert DraftSpec(prefill_window=None).resolved_prefill_window(drafter.config, batched=False) is None
-    assert DraftSpec(prefill_window=64).resolved_prefill_window(drafter.config, batched=False) == 64
+    assert snapkv.resolved_prefill_window(drafter.config) is None
+    assert DraftSpec(prefill_window=None).resolved_prefill_window(drafter.config) is None
+    assert DraftSpec(prefill_window=64).resolved_prefill_window(drafter.config) == 64
 
 
 @pytest.mark.parametrize("cache_config", [{}, {"prefill_window": None}])
@@ -184,3 +172,77 @@ def test_the_one_liner_reports_the_prefill_window_it_ran(cache_config, monkeypat
     windowed = "prefill_window" not in cache_config
     assert stats.plan.spec.prefill_window == (WINDOW if windowed else None)
     assert chunks == ([WINDOW] if windowed else [])
+
+
+@pytest.mark.parametrize("cache_config", [{"cache": "budgeted", "budget": 24}, {"cache": "sink_window"}])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_batch_prefills_each_long_rows_drafter_windowed(family, cache_config, monkeypatch):
+    """Each row longer than the window is prefilled by the drafter in chunks (a shorter one in one forward); the
+    output is the target's own for the padded batch."""
+    from hf_budgetdraft.generation import batched_loop
+
+    target, drafter = model_pair(family, "sdpa")
+    rows = [random_prompt(n, seed=20 + n)[0] for n in (70, 12, 45)]
+    ids = torch.zeros(3, 70, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 70 - len(row) :], mask[i, 70 - len(row) :] = row, 1
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    read = []
+    monkeypatch.setattr(
+        batched_loop,
+        "windowed_prefill",
+        lambda model, prompt, sink, window: (
+            read.append(prompt.shape[1]) or windowed_prefill(model, prompt, sink, window)
+        ),
+    )
+    options = {k: v for k, v in cache_config.items() if k != "cache"}
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=16,
+            pad_token_id=0,
+            assistant_model=drafter,
+            cache_implementation=cache_config["cache"],
+            cache_config={**options, "prefill_window": WINDOW},
+        )
+    assert torch.equal(out, expected)
+    assert read == [70, 45] and stats.plan.spec.prefill_window == WINDOW
+
+
+@pytest.mark.parametrize("kind", ["sink_window", "budgeted"])
+def test_a_ragged_row_filled_from_a_windowed_prefill_drafts_as_one_sequence_does(kind):
+    """The batched loop's windowed row prefill (recorded keys/values through the row's own `update`) gives the
+    drafter the logits the single-sequence cache filled the same way gives it."""
+    from hf_budgetdraft import SinkWindowCache
+    from hf_budgetdraft.cache.ragged_draft import RaggedBudgetedCache, RaggedSinkWindowCache
+    from hf_budgetdraft.compat import cache_kwargs
+
+    _, drafter = model_pair("llama", "sdpa")
+    ids = random_prompt(LENGTH + 3, seed=9)
+    prompt, steps = ids[:, :LENGTH], ids[:, LENGTH:]
+    if kind == "sink_window":
+        single = SinkWindowCache(config=drafter.config, num_sink_tokens=SINK, window_length=16, slack=4)
+        ragged = RaggedSinkWindowCache(drafter.config, 2, num_sink_tokens=SINK, window_length=16, slack=4)
+    else:
+        options = dict(budget=24, policy="chunk", policy_kwargs={"chunk_size": 4}, window_length=16, slack=4)
+        single = BudgetedCache(config=drafter.config, **options)
+        ragged = RaggedBudgetedCache(drafter.config, 2, **options)
+    with torch.no_grad():
+        recorder, _ = windowed_prefill(drafter, prompt, SINK, WINDOW)
+        fill_from_prefix(single, *recorded(recorder))
+        ragged.prefill_row(1, LENGTH, prompt.device)
+        fill_from_prefix(ragged, *[[t.clone() for t in part] for part in recorded(recorder)])
+        ragged.prefill_row(0, 5, prompt.device)
+        drafter(input_ids=prompt[:, :5], **cache_kwargs(ragged), use_cache=True)
+        want = drafter(
+            input_ids=steps, position_ids=torch.arange(LENGTH, LENGTH + 3)[None], cache=single
+        ).logits
+        positions = ragged.lengths[:, None] + torch.arange(3)
+        mask = ragged.step_mask(3, drafter.dtype)
+        got = drafter(
+            input_ids=steps.repeat(2, 1), attention_mask=mask, position_ids=positions, **cache_kwargs(ragged)
+        ).logits
+    torch.testing.assert_close(got[1:], want, rtol=1e-4, atol=1e-5)

@@ -170,12 +170,12 @@ def test_each_reason_names_what_decided_the_choice():
     call = GenerationConfig()
     call.update(**call._get_default_generation_params(), defaults_only=True)
     batch = resolve_plan(DraftSpec(), None, target, drafter, call, batched=True)
-    assert batch.spec.lean_step is False and batch.spec.prefill_window is None
     assert (
-        batch.reasons["lean_step"]
-        == batch.reasons["prefill_window"]
-        == "a batch drafts on ragged per-row caches"
+        batch.spec.lean_step is False
+        and batch.reasons["lean_step"] == "a batch drafts on ragged per-row caches"
     )
+    # each row's prompt is prefilled on its own: the device rule decides the window, as for one sequence
+    assert batch.spec.prefill_window == 1024 and "measured on CPU" in batch.reasons["prefill_window"]
 
 
 def _device_length(cache) -> int:
