@@ -314,12 +314,12 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     stats = active_recorder()
     if stats is not None:
         stats.plan = plan
-    if plan.batched:
-        with plan.applied(self):
-            return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
     cache = kwargs.get(CACHE_KWARG)
     # a call continuing a prefilled target cache: the drafter continues the prompt it read last, where it can
     with reusing_read_prompts() if continues_a_prefix(cache) else nullcontext():
+        if plan.batched:
+            with plan.applied(self):
+                return run_batched(self, assistant_model, plan, input_ids, generation_config, kwargs)
         if plan.device_round:
             return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
         return _single_sequence(stock, self, plan, generation_config, input_ids, args, kwargs)

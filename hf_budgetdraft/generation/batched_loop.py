@@ -29,10 +29,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..attention.query_capture import query_capture
 from ..attention.ragged_rows import ragged_rows
+from ..cache import is_full_attention_only
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_draft import RaggedDraftCache
-from ..cache.windowed_prefill import fill_from_prefix, recorded, windowed_prefill
+from ..cache.windowed_prefill import fill_from_prefix, recorded
 from ..compat import CACHE_KWARG, cache_kwargs
+from . import draft_prefix
 from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .plan import DraftPlan
@@ -120,8 +122,9 @@ class BatchedSpeculation:
                 logits.append(logits[same])
                 continue
             length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
-            if window is not None and length > window:
-                logits.append(self._windowed_prefill(model, cache, row, window))
+            windowed = window is not None and length > window
+            if windowed or (model is self.drafter and self._continues_full_prefill(capture)):
+                logits.append(self._recorded_prefill(model, cache, row, window if windowed else None))
                 continue
             for start in range(int(cache.lengths[row]), length, chunk or length):  # past a seeded prefix
                 end = length if chunk is None else min(start + chunk, length)
@@ -145,16 +148,26 @@ class BatchedSpeculation:
             )
         self.target_cache.seed_row(0, prefix)
 
-    def _windowed_prefill(self, model, cache: RaggedCache, row: int, window: int) -> torch.Tensor:
-        """Prefill row `row` in chunks of `window` tokens, each reading the sink and the `window` tokens before it,
-        then fill the row from the recorded keys/values as its own forward would; `(V,)` logits."""
-        length = int(self.prompt_lengths[row])
-        recorder, logits = windowed_prefill(
-            model, self.tokens[row : row + 1, :length], self.plan.spec.num_sink_tokens, window
-        )
-        cache.prefill_row(row, length, self.prompt.device)
+    def _recorded_prefill(self, model, cache: RaggedCache, row: int, window: int | None) -> torch.Tensor:
+        """Prefill row `row` into a recorder, then fill the row from the recorded keys/values as its own forward
+        would; `(V,)` logits. `window`: in chunks of that many tokens, each reading the sink and the `window` tokens
+        before it; `None`: with full attention. In a call continuing a target cache, either continues the prompt the
+        drafter read last (`draft_prefix`)."""
+        ids = self.tokens[row : row + 1, : int(self.prompt_lengths[row])]
+        if window is None:
+            recorder, logits = draft_prefix.full_prefill(model, ids)
+        else:
+            recorder, logits = draft_prefix.windowed_prefill(
+                model, ids, self.plan.spec.num_sink_tokens, window
+            )
+        cache.prefill_row(row, ids.shape[1], self.prompt.device)
         fill_from_prefix(cache, *recorded(recorder))
         return logits[0].float()
+
+    def _continues_full_prefill(self, capture: bool) -> bool:
+        """Whether the drafter's full prefill continues the prompt it read last: a call continuing a target cache,
+        a drafter whose layers are all full attention and a cache filled from keys/values alone."""
+        return draft_prefix.reusing() and not capture and is_full_attention_only(self.drafter.config)
 
     def _earlier_equal_rows(self, embeds: torch.Tensor | None) -> list[int | None]:
         """For each row, the first earlier row whose prompt (its ids, and its `embeds` when given) equals it, or

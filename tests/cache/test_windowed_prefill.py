@@ -179,8 +179,6 @@ def test_the_one_liner_reports_the_prefill_window_it_ran(cache_config, monkeypat
 def test_a_batch_prefills_each_long_rows_drafter_windowed(family, cache_config, monkeypatch):
     """Each row longer than the window is prefilled by the drafter in chunks (a shorter one in one forward); the
     output is the target's own for the padded batch."""
-    from hf_budgetdraft.generation import batched_loop
-
     target, drafter = model_pair(family, "sdpa")
     rows = [random_prompt(n, seed=20 + n)[0] for n in (70, 12, 45)]
     ids = torch.zeros(3, 70, dtype=torch.long)
@@ -190,7 +188,7 @@ def test_a_batch_prefills_each_long_rows_drafter_windowed(family, cache_config, 
     expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
     read = []
     monkeypatch.setattr(
-        batched_loop,
+        draft_prefix,
         "windowed_prefill",
         lambda model, prompt, sink, window: (
             read.append(prompt.shape[1]) or windowed_prefill(model, prompt, sink, window)

@@ -163,3 +163,42 @@ def test_the_kept_prompt_goes_with_the_drafter():
     del drafter
     gc.collect()
     assert len(draft_prefix._prompts) == before
+
+
+@pytest.mark.parametrize("window", [WINDOW, None])
+def test_the_samples_of_the_next_question_continue_the_prompt_of_the_last(window):
+    """`num_return_sequences` continuing the document's cache (the batched loop): the drafter reads only what the
+    question does not share with the last prompt it read (whole chunks, windowed; every token, full), once for all
+    the copies; at top_k=1 every copy is the target's own output, and the rounds are those of a whole re-read."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    document = random_prompt(200, seed=5)
+    cache = prefilled_cache(target, document)
+    first, second = questions(document)
+
+    def samples(ids):
+        with record_speculation() as stats:
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                assistant_model=drafter,
+                cache_implementation="budgeted",
+                cache_config={**SIZES["budgeted"], "prefill_window": window, "draft_length": 3},
+                do_sample=True,
+                top_k=1,
+                num_return_sequences=3,
+                max_new_tokens=NEW_TOKENS,
+                **cache_kwargs(cache),
+            )
+        return out, stats
+
+    samples(first)
+    feeds = PrefillFeeds(drafter)
+    out, stats = samples(second)
+    assert feeds.fed == ([second.shape[1] - 192] if window else [20])
+    draft_prefix._prompts.pop(drafter)
+    fresh_out, fresh = samples(second)
+    assert sum(feeds.fed[1:]) == second.shape[1]  # without it: the whole sequence again
+    expected = target.generate(second, do_sample=False, max_new_tokens=NEW_TOKENS).repeat(3, 1)
+    assert torch.equal(out, expected) and torch.equal(fresh_out, expected)
+    if window:  # bit-identical draft caches: the same rounds
+        assert stats.accepted_per_round == fresh.accepted_per_round
