@@ -294,9 +294,10 @@ class RaggedCache(Cache):
         for layer in self.layers:
             layer.copy_row(source, target)
 
-    def seed_row(self, row: int, source: Cache) -> int:
+    def seed_row(self, row: int, source: Cache, device: torch.device) -> int:
         """Fill empty row `row` with what `source`, a one-row transformers cache of the same model (dynamic,
-        growable or static), holds; returns its length L. The row's prefill then continues at position L."""
+        growable or static; offloaded layers too), holds, on `device`; returns its length L. The row's prefill then
+        continues at position L."""
         held = int(source.get_seq_length())
         if len(source.layers) != len(self.layers) or int(self.lengths[row]):
             raise ValueError(
@@ -306,7 +307,7 @@ class RaggedCache(Cache):
         for idx, (layer, given) in enumerate(zip(self.layers, source.layers, strict=True)):
             if held == 0:
                 break
-            keys, values = self._held_states(idx, layer, given, held)
+            keys, values = (states.to(device) for states in self._held_states(idx, layer, given, held))
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
             layer.keys[row, :, held - keys.shape[-2] : held] = keys[0]

@@ -146,7 +146,7 @@ class BatchedSpeculation:
                 "a target cache passed to a batched call is the prefix of one prompt sampled several times "
                 "(num_return_sequences); got rows that differ or are padded. Drop cache=, or pass one prompt"
             )
-        self.target_cache.seed_row(0, prefix)
+        self.target_cache.seed_row(0, prefix, self.target.device)
 
     def _recorded_prefill(self, model, cache: RaggedCache, row: int, window: int | None) -> torch.Tensor:
         """Prefill row `row` into a recorder, then fill the row from the recorded keys/values as its own forward
