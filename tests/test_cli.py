@@ -89,6 +89,9 @@ def test_generate_with_a_compiled_draft_step_and_a_confidence_stop(capsys):
         (["--draft_length", "99"], "draft_length must be 'adaptive', 'heuristic' or an int in"),
         (["--do_sample", "true", "--temperature", "0"], "--temperature must be > 0"),
         (["--assistant_confidence_threshold", "1.5"], r"must be in \[0, 1\), got 1.5"),
+        (["--num_return_sequences", "3"], "add --do_sample true"),
+        (["--do_sample", "true", "--num_return_sequences", "0"], r"must be in \[1, 256\], got 0"),
+        (["--do_sample", "true", "--num_return_sequences", "2", "--batch_size", "2"], "drop --batch_size"),
     ],
 )
 def test_bad_generate_arguments(flags, message, capsys):
@@ -116,6 +119,17 @@ def test_generate_demo_models_sampling(capsys):
     assert code == 0 and "keeps the target's distribution" in out and "greedy diff vs" not in out
     assert _field(r"new tokens: (\d+)", out) == 12 and "draft_length='adaptive'" in out
     assert 1 <= _field(r"mean accepted length (\d+\.\d+),", out) <= 17
+
+
+def test_generate_several_samples_of_one_prompt(capsys):
+    """`--num_return_sequences 3`: the prompt's copies sampled in one batched call, against batched AR sampling."""
+    code = main(
+        ["generate", "--demo_models", "--context_length", "512", "--max_new_tokens", "8", "--do_sample", "true",
+         "--num_return_sequences", "3", "--threads", "1"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and _field(r"batch: (\d+) rows", out) == 3
+    assert re.search(r"prompt tokens \[512, 512, 512\]", out) and "keeps the target's distribution" in out
 
 
 def test_generate_a_batch_of_prompt_files(tmp_path, capsys):

@@ -137,6 +137,12 @@ class _DecodingFlags:
     temperature: float = field(default=1.0, metadata={"help": "With --do_sample: the temperature."})
     top_p: float = field(default=1.0, metadata={"help": "With --do_sample: nucleus sampling's p."})
     top_k: int = field(default=50, metadata={"help": "With --do_sample: top-k (0: off)."})
+    num_return_sequences: int = field(
+        default=1,
+        metadata={
+            "help": "With --do_sample: samples of the one prompt, drawn in one batched call (the prompt read once)."
+        },
+    )
     max_new_tokens: int = field(default=256, metadata={"help": "Tokens to generate."})
     threads: int = field(default=2, metadata={"help": "torch threads (set explicitly; see README)."})
     seed: int = field(default=0, metadata={"help": "Seed for random models, prompts and sampling."})
@@ -174,6 +180,8 @@ class GenerateArguments(LoadFlags, _DecodingFlags, _DraftFlags, _InputFlags):
             self.batch_size = len(self.prompt_files)
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
             raise ValueError(f"--batch_size must be in [1, {MAX_BATCH_SIZE}], got {self.batch_size}")
+        if self.num_return_sequences != 1:
+            self._check_samples(MAX_BATCH_SIZE)
         if self.batch_size > 1 and self.cache == "full":
             raise ValueError(
                 "--cache full is stock assisted generation, which is single-sequence; use a sparse cache"
@@ -182,6 +190,19 @@ class GenerateArguments(LoadFlags, _DecodingFlags, _DraftFlags, _InputFlags):
             raise ValueError("pass one of --demo_models, --random_models, or both --target and --drafter")
         if self.cache != "full":
             self.draft_spec()  # validate the draft options now, with the spec's own messages
+
+    def _check_samples(self, most: int) -> None:
+        if not 1 <= self.num_return_sequences <= most:
+            raise ValueError(
+                f"--num_return_sequences must be in [1, {most}], got {self.num_return_sequences}"
+            )
+        if not self.do_sample:
+            raise ValueError("--num_return_sequences > 1 samples several answers: add --do_sample true")
+        if self.batch_size > 1 or self.cache == "full":
+            raise ValueError(
+                "--num_return_sequences samples one prompt with a sparse draft cache; drop --batch_size / "
+                "--prompt_files and --cache full"
+            )
 
     def draft_spec(self) -> DraftSpec:
         """The `DraftSpec` the flags describe (unset flags keep the spec's defaults)."""
@@ -272,7 +293,7 @@ def chat_ids(tokenizer, text: str, system: str | None = None) -> torch.LongTenso
 def generate_command(args: GenerateArguments) -> int:
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = _models(args)
-    if args.batch_size > 1:
+    if args.batch_size > 1 or args.num_return_sequences > 1:
         return _generate_batch(args, target, drafter, tokenizer)
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
     spec = args.draft_spec() if args.cache != "full" else None
@@ -416,10 +437,14 @@ def _report_greedy_diff(target, ids: torch.LongTensor, reference: torch.Tensor, 
 
 
 def _batch_ids(args: GenerateArguments, tokenizer, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text."""
+    """`(ids, mask)`: a left-padded batch, one row per prompt file, else `batch_size` passages of the text, or
+    `num_return_sequences` copies of the one prompt."""
     from ..runs.batch_call import left_pad, ragged_batch
 
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    if args.num_return_sequences > 1:  # the copies transformers makes of the prompt for num_return_sequences
+        ids = _prompt_ids(args, tokenizer, vocab_size).repeat(args.num_return_sequences, 1)
+        return ids, torch.ones_like(ids)
     if args.prompt_files:
         rows = []
         for path in args.prompt_files:
