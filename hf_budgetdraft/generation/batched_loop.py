@@ -29,10 +29,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..attention.query_capture import query_capture
 from ..attention.ragged_rows import ragged_rows
-from ..cache import is_full_attention_only
 from ..cache.ragged import RaggedCache
 from ..cache.ragged_draft import RaggedDraftCache
-from ..cache.windowed_prefill import fill_from_prefix, recorded
 from ..compat import CACHE_KWARG, cache_kwargs
 from . import draft_prefix
 from .acceptance import accept_round
@@ -123,8 +121,11 @@ class BatchedSpeculation:
                 continue
             length, pad = int(self.prompt_lengths[row]), int(self.pads[row])
             windowed = window is not None and length > window
-            if windowed or (model is self.drafter and self._continues_full_prefill(capture)):
-                logits.append(self._recorded_prefill(model, cache, row, window if windowed else None))
+            if windowed or (model is self.drafter and draft_prefix.continues_full_prefill(model, capture)):
+                cache.prefill_row(row, length, self.prompt.device)  # filled from the recorded keys/values
+                ids, sink = self.tokens[row : row + 1, :length], self.plan.spec.num_sink_tokens
+                last = draft_prefix.prefill_into(cache, model, ids, sink, window if windowed else None)
+                logits.append(last[0].float())
                 continue
             for start in range(int(cache.lengths[row]), length, chunk or length):  # past a seeded prefix
                 end = length if chunk is None else min(start + chunk, length)
@@ -147,27 +148,6 @@ class BatchedSpeculation:
                 "(num_return_sequences); got rows that differ or are padded. Drop cache=, or pass one prompt"
             )
         self.target_cache.seed_row(0, prefix, self.target.device)
-
-    def _recorded_prefill(self, model, cache: RaggedCache, row: int, window: int | None) -> torch.Tensor:
-        """Prefill row `row` into a recorder, then fill the row from the recorded keys/values as its own forward
-        would; `(V,)` logits. `window`: in chunks of that many tokens, each reading the sink and the `window` tokens
-        before it; `None`: with full attention. In a call continuing a target cache, either continues the prompt the
-        drafter read last (`draft_prefix`)."""
-        ids = self.tokens[row : row + 1, : int(self.prompt_lengths[row])]
-        if window is None:
-            recorder, logits = draft_prefix.full_prefill(model, ids)
-        else:
-            recorder, logits = draft_prefix.windowed_prefill(
-                model, ids, self.plan.spec.num_sink_tokens, window
-            )
-        cache.prefill_row(row, ids.shape[1], self.prompt.device)
-        fill_from_prefix(cache, *recorded(recorder))
-        return logits[0].float()
-
-    def _continues_full_prefill(self, capture: bool) -> bool:
-        """Whether the drafter's full prefill continues the prompt it read last: a call continuing a target cache,
-        a drafter whose layers are all full attention and a cache filled from keys/values alone."""
-        return draft_prefix.reusing() and not capture and is_full_attention_only(self.drafter.config)
 
     def _earlier_equal_rows(self, embeds: torch.Tensor | None) -> list[int | None]:
         """For each row, the first earlier row whose prompt (its ids, and its `embeds` when given) equals it, or

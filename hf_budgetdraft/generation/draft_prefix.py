@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache
 
+from ..cache import is_full_attention_only
 from ..cache.windowed_prefill import WindowedPrefillCache, fill_from_prefix, prefill_in_chunks, recorded
 
 _reusing: ContextVar[bool] = ContextVar("budgetdraft_reuse_draft_prefix", default=False)
@@ -75,6 +76,27 @@ def full_prefill(model, ids: torch.LongTensor) -> tuple[DynamicCache, torch.Tens
     prompt it read (inside `reusing_read_prompts()`) does not share; `(the cache, the last logits (1, V))`."""
     recorder = DynamicCache(config=model.config)
     return recorder, _prefill(model, ids, recorder, ("full",), ids.shape[1], 1)
+
+
+def prefill_into(
+    cache: Cache, model, ids: torch.LongTensor, num_sink_tokens: int, window: int | None
+) -> torch.Tensor:
+    """Prefill `ids (1, L)` through a recorder, in windowed chunks of `window` tokens (`None`: full attention), then
+    fill `cache` from the recorded keys/values through its layers' own `update`, as a forward over the prompt
+    would; the last position's logits `(1, V)`."""
+    if window is None:
+        recorder, logits = full_prefill(model, ids)
+    else:
+        recorder, logits = windowed_prefill(model, ids, num_sink_tokens, window)
+    fill_from_prefix(cache, *recorded(recorder))
+    return logits
+
+
+def continues_full_prefill(model, capture_queries: bool) -> bool:
+    """Whether a full prefill of `model` goes through a recorder to continue the last prompt it read: inside
+    `reusing_read_prompts()`, when the draft cache is filled from keys/values alone (no prefill queries to score
+    them with) and `model`'s layers are all full attention (whose keys/values a `DynamicCache` records)."""
+    return _reusing.get() and not capture_queries and is_full_attention_only(model.config)
 
 
 def _prefill(

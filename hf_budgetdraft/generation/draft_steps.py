@@ -22,8 +22,7 @@ import torch
 from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
-from ..cache import BudgetedCache, is_full_attention_only
-from ..cache.windowed_prefill import fill_from_prefix, recorded
+from ..cache import BudgetedCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix
@@ -148,31 +147,16 @@ class Prefill:
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
         start = time.perf_counter()
         model, cache = self.eager.model, self.eager.cache
-        if self.window is not None and feed.shape[1] > self.window and mask is None:
-            recorder, logits = draft_prefix.windowed_prefill(model, feed, self.num_sink_tokens, self.window)
-            fill_from_prefix(cache, *recorded(recorder))
-            logits = logits.float()
-        elif self._continues_full_prefill(mask):
-            recorder, logits = draft_prefix.full_prefill(model, feed)
-            fill_from_prefix(cache, *recorded(recorder))
-            logits = logits.float()
+        windowed = self.window is not None and feed.shape[1] > self.window and mask is None
+        if windowed or (mask is None and draft_prefix.continues_full_prefill(model, self.capture_queries)):
+            window = self.window if windowed else None
+            logits = draft_prefix.prefill_into(cache, model, feed, self.num_sink_tokens, window).float()
         else:
             with query_capture(model) if self.capture_queries else contextlib.nullcontext():
                 logits = self.eager(feed, positions, mask)
         synchronize(feed.device)
         self.seconds += time.perf_counter() - start
         return logits
-
-    def _continues_full_prefill(self, mask) -> bool:
-        """A full prefill continues the last prompt read (`draft_prefix`) when the call asks for it and the draft
-        cache is filled from keys/values alone: no padding, no prefill queries to score them with, and only
-        full-attention layers (whose keys/values a `DynamicCache` records)."""
-        return (
-            draft_prefix.reusing()
-            and mask is None
-            and not self.capture_queries
-            and is_full_attention_only(self.eager.model.config)
-        )
 
 
 @dataclass
