@@ -2,6 +2,8 @@
 continuing it (transformers' prefix caching) and against the one-liner re-reading the whole sequence.
 
     python benchmarks/continued_cache.py --threads 2 --context-length 8192 --questions 3 --repeats 2
+    python benchmarks/continued_cache.py --threads 2 --context-length 8192 --documents 2 \
+        --out benchmarks/results/continued_cache_two_documents
 
 The document is the first `--context-length` tokens of the bundled King John (held out from the demo models'
 training); it is run once through the target into a `DynamicCache`. Question q is the document followed by 32 tokens
@@ -13,9 +15,11 @@ document's cache (the copy is made outside the timing):
 - `one_liner_growable`: the same with the document prefilled into a `GrowableCache` instead;
 - `one_liner_reread`: the one-liner on the whole sequence with no cache (the document prefilled again).
 
-The continuing calls' drafter continues the prompt it read in the last continuing call (the previous question's:
-the document's chunks are shared); the re-reading call's drafter reads the whole sequence, so its drafter prefill
-is what the first question after the document's prefill pays.
+The continuing calls' drafter continues the prompt it read for the document's previous question (the document's
+chunks are shared); the re-reading call's drafter reads the whole sequence, so its drafter prefill is what the
+first question after the document's prefill pays. Each speculative variant has its own copy of the drafter, so no
+variant continues a prompt another read. `--documents N` prefills N documents (the play's first N spans of
+`--context-length` tokens) and asks their questions in turn: each document's questions continue its own prompt.
 
 Each call's wall time (from the call to its last token) and decode rate (after its first emitted chunk); the ratios
 are per question and repeat, medians over them. Every output must be the reference's. Writes
@@ -33,6 +37,7 @@ import copy
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,68 +57,105 @@ QUESTION_TOKENS = 32
 VARIANTS = ("ar", "one_liner", "one_liner_growable", "one_liner_reread")
 
 
-def prefill(target, document: torch.LongTensor, cache) -> None:
-    with torch.no_grad():
-        target(document, **cache_kwargs(cache))
+@dataclass(frozen=True)
+class Question:
+    """A prompt `ids (1, L + 32)`: document `document`'s `L` tokens, then the question's."""
+
+    document: int
+    ids: torch.LongTensor
 
 
-def questions(tokens: torch.LongTensor, context_length: int, count: int) -> list[torch.LongTensor]:
-    """`count` prompts `(1, context_length + 32)`: the document, then 32 tokens from further on in the play."""
-    stride = (tokens.shape[1] - context_length - QUESTION_TOKENS) // max(count, 1)
+def questions(
+    tokens: torch.LongTensor, context_length: int, count: int, documents: int = 1
+) -> list[Question]:
+    """`count` prompts a document, `(1, context_length + 32)` each: document d (the play's d-th `context_length`
+    tokens), then 32 tokens from after the last document; the documents taken in turn, question by question."""
+    start = context_length * documents
+    stride = (tokens.shape[1] - start - QUESTION_TOKENS) // max(count * documents, 1)
     if stride < QUESTION_TOKENS:
         raise ValueError(
-            f"the play has {tokens.shape[1]} tokens: too few for {count} questions after {context_length}"
+            f"the play has {tokens.shape[1]} tokens: too few for {count} questions on {documents} document(s) of "
+            f"{context_length}; ask for fewer or shorter"
         )
-    document = tokens[:, :context_length]
-    starts = [context_length + stride * q for q in range(count)]
-    return [torch.cat([document, tokens[:, s : s + QUESTION_TOKENS]], dim=1) for s in starts]
+    asked = []
+    for q in range(count):
+        for d in range(documents):
+            s = start + stride * (q * documents + d)
+            document = tokens[:, d * context_length : (d + 1) * context_length]
+            asked.append(Question(d, torch.cat([document, tokens[:, s : s + QUESTION_TOKENS]], dim=1)))
+    return asked
 
 
 def one_call(
-    variant: str, pair, question, caches: dict, new_tokens: int, sampling: dict | None = None, seed=None
+    variant: str,
+    target,
+    drafters: dict,
+    question: Question,
+    caches: list[dict],
+    new_tokens: int,
+    sampling,
+    seed,
 ):
-    drafter = pair.drafter_for(do_sample=sampling is not None)
-    speculative = dict(assistant_model=drafter, cache_implementation="budgeted", sampling=sampling, seed=seed)
+    """One timed call of `variant`; every speculative variant has its own drafter, so one's kept prompts (those a
+    continuing call's drafter continues) are not another's."""
+    document_caches = caches[question.document]
     if variant == "ar":
         return timed_generate(
-            pair.target,
-            question,
+            target,
+            question.ids,
             new_tokens,
             sampling=sampling,
             seed=seed,
-            **cache_kwargs(copy.deepcopy(caches["dynamic"])),
+            **cache_kwargs(copy.deepcopy(document_caches["dynamic"])),
         )
+    speculative = dict(
+        assistant_model=drafters[variant], cache_implementation="budgeted", sampling=sampling, seed=seed
+    )
     if variant == "one_liner":
-        cache = copy.deepcopy(caches["dynamic"])
+        cache = copy.deepcopy(document_caches["dynamic"])
     elif variant == "one_liner_growable":
-        cache = copy.deepcopy(caches["growable"])
+        cache = copy.deepcopy(document_caches["growable"])
     else:
         cache = None
     extra = {} if cache is None else cache_kwargs(cache)
-    return timed_generate(pair.target, question, new_tokens, **speculative, **extra)
+    return timed_generate(target, question.ids, new_tokens, **speculative, **extra)
 
 
-def measure(pair, prompts, new_tokens: int, repeats: int, sampling: dict | None = None) -> list[dict]:
-    document = prompts[0][:, : prompts[0].shape[1] - QUESTION_TOKENS]
+def prefilled_caches(target, document: torch.LongTensor) -> dict:
+    """The document `(1, L)` run once through `target` into a `DynamicCache` and a `GrowableCache`."""
     caches = {
-        "dynamic": DynamicCache(config=pair.target.config),
-        "growable": GrowableCache(config=pair.target.config, initial_capacity=document.shape[1] + 1024),
+        "dynamic": DynamicCache(config=target.config),
+        "growable": GrowableCache(config=target.config, initial_capacity=document.shape[1] + 1024),
     }
     for cache in caches.values():
-        prefill(pair.target, document, cache)
-    one_call("one_liner", pair, prompts[0], caches, 8, sampling, seed=0)  # warm-up: every path's first call
+        with torch.no_grad():
+            target(document, **cache_kwargs(cache))
+    return caches
+
+
+def measure(pair, prompts: list[Question], new_tokens: int, repeats: int, sampling=None) -> list[dict]:
+    documents = {p.document: p.ids[:, : p.ids.shape[1] - QUESTION_TOKENS] for p in prompts}
+    caches = [prefilled_caches(pair.target, documents[d]) for d in sorted(documents)]
+    drafter = pair.drafter_for(do_sample=sampling is not None)
+    drafters = {v: copy.deepcopy(drafter) for v in VARIANTS[1:]}
+    for v in VARIANTS[1:]:  # warm-up: every path's first call
+        one_call(v, pair.target, drafters, prompts[0], caches, 8, sampling, seed=0)
     rows = []
     for repeat in range(repeats):
         for q, question in enumerate(prompts):
             shift = (repeat * len(prompts) + q) % len(VARIANTS)
             order = VARIANTS[shift:] + VARIANTS[:shift]
             seed = repeat * len(prompts) + q
-            runs = {v: one_call(v, pair, question, caches, new_tokens, sampling, seed) for v in order}
+            runs = {
+                v: one_call(v, pair.target, drafters, question, caches, new_tokens, sampling, seed)
+                for v in order
+            }
             reference = runs["ar"].new_ids
             rows.append(
                 {
                     "repeat": repeat,
                     "question": q,
+                    "document": question.document,
                     **{
                         v: {
                             "seconds": run.seconds,
@@ -165,12 +207,17 @@ def table(result: dict) -> str:
             f"Sampling at temperature {meta['temperature']} (the drafter trained for sampling; one seed per question "
             "and repeat, outputs not compared)."
         )
+    documents = meta.get("documents", 1)
+    if documents == 1:
+        title, asked = "One document, many questions", f"{meta['questions']} questions"
+    else:
+        title = f"{documents} documents taken in turn, many questions"
+        asked = f"{meta['questions']} questions on each of {documents} documents, asked in turn,"
     lines = [
-        f"# One document, many questions: continuing its cache ({meta['context_length']} tokens, "
-        f"{meta['new_tokens']} new tokens)",
+        f"# {title}: continuing its cache ({meta['context_length']} tokens, {meta['new_tokens']} new tokens)",
         "",
-        f"{run_text(meta)}; {meta['questions']} questions x {meta['repeats']} repeats, medians. {outputs} The "
-        "continuing calls' drafter continues the previous question's prompt; the re-reading call's drafter prefill "
+        f"{run_text(meta)}; {asked} x {meta['repeats']} repeats, medians. {outputs} A continuing call's drafter "
+        "continues the prompt it read for the document's previous question; the re-reading call's drafter prefill "
         "is a whole read.",
         "",
         "| call | seconds | first token (s) | drafter prefill (s) | tokens a round | decode vs AR | call vs AR |",
@@ -197,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context-length", type=int, default=8192)
-    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--questions", type=int, default=3, help="questions a document")
+    parser.add_argument(
+        "--documents", type=int, default=1, help="documents, asked in turn (each prefilled once)"
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
@@ -212,13 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     pair = load_demo_models()
     tokens = pair.tokenizer(DEMO_TEXT.read_text(encoding="utf-8"), return_tensors="pt").input_ids
-    prompts = questions(tokens, args.context_length, args.questions)
+    if not 1 <= args.documents <= 8:
+        parser.error(f"--documents must be in [1, 8], got {args.documents}")
+    prompts = questions(tokens, args.context_length, args.questions, args.documents)
     rows = measure(pair, prompts, args.new_tokens, args.repeats, sampling)
     meta = {
         **run_record(args.threads),
         **{
             k: getattr(args, k)
-            for k in ("context_length", "questions", "new_tokens", "repeats", "temperature")
+            for k in ("context_length", "documents", "questions", "new_tokens", "repeats", "temperature")
         },
     }
     result = {"meta": meta, "summary": summary(rows), "rows": rows}

@@ -24,6 +24,7 @@ from .cache import (
     cache_nbytes,
 )
 from .generation.compiled_step import draft_step_compile_config
+from .generation.draft_prefix import KeptPrompts, set_kept_prompts
 from .generation.plan import DraftPlan
 from .generation.spec import DraftSpec
 from .generation.stats import SpeculationStats, record_speculation
@@ -45,6 +46,7 @@ __all__ = [
     "DraftSpec",
     "GrowableCache",
     "KeepPolicy",
+    "KeptPrompts",
     "Selection",
     "SinkSelection",
     "SinkWindowCache",
@@ -57,5 +59,6 @@ __all__ = [
     "install",
     "query_capture",
     "record_speculation",
+    "set_kept_prompts",
     "uninstall",
 ]

@@ -8,7 +8,7 @@
   static, the target verifying on `budgetdraft_sdpa` when it was loaded with `sdpa` and (float32 on CPU) on
   few-row linear layers — for that call only (`attention/scoped.py`, `cpu/few_row_linear.py`): the models are
   never written to, so calls in other threads on the same models are unaffected. A call continuing a prefilled
-  target cache lets the drafter's prefill continue the prompt it read last (`generation/draft_prefix.py`).
+  target cache lets the drafter's prefill continue a prompt it read before (`generation/draft_prefix.py`).
 
 - `_get_candidate_generator`: with `assistant_model=`, the named cache is the **draft's**; the assistant drafts
   through `SparseDraftCandidateGenerator` while the target keeps its full cache (lossless). With
@@ -315,7 +315,7 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     if stats is not None:
         stats.plan = plan
     cache = kwargs.get(CACHE_KWARG)
-    # a call continuing a prefilled target cache: the drafter continues the prompt it read last, where it can
+    # a call continuing a prefilled target cache: the drafter continues a prompt it read before, where it can
     with reusing_read_prompts() if continues_a_prefix(cache) else nullcontext():
         if plan.batched:
             with plan.applied(self):

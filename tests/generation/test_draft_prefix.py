@@ -11,7 +11,7 @@ import torch
 from test_prefilled import FedLengths, prefilled_cache
 from tiny_models import model_pair, random_prompt, skip_unless_static
 
-from hf_budgetdraft import record_speculation
+from hf_budgetdraft import KeptPrompts, record_speculation, set_kept_prompts
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation import draft_prefix
 
@@ -202,3 +202,77 @@ def test_the_samples_of_the_next_question_continue_the_prompt_of_the_last(window
     assert torch.equal(out, expected) and torch.equal(fresh_out, expected)
     if window:  # bit-identical draft caches: the same rounds
         assert stats.accepted_per_round == fresh.accepted_per_round
+
+
+@pytest.fixture
+def kept_limits():
+    """Restores the process-wide limits a test changes."""
+    before = set_kept_prompts()
+    yield
+    set_kept_prompts(before.max_prompts, before.max_bytes)
+
+
+def test_documents_taken_in_turn_each_continue_their_own_prompt():
+    """A question on one document, then on another, then the first again: each continues its own document's prompt
+    (read once), and a second question on a document stands for its first."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    documents = [random_prompt(200, seed=30), random_prompt(200, seed=31)]
+    caches = [prefilled_cache(target, document) for document in documents]
+    asked = [questions(document) for document in documents]
+    for d in (0, 1):
+        speculate(target, drafter, asked[d][0], caches[d])
+    feeds = PrefillFeeds(drafter)
+    for d in (0, 1):
+        out, _ = speculate(target, drafter, asked[d][1], caches[d])
+        assert torch.equal(out, target.generate(asked[d][1], do_sample=False, max_new_tokens=NEW_TOKENS))
+    assert feeds.fed == [asked[0][1].shape[1] - 192, asked[1][1].shape[1] - 192]
+    assert [read.ids.shape[1] for read in draft_prefix._prompts[drafter]] == [220, 220]
+
+
+def test_prompts_sharing_a_short_start_are_both_kept():
+    """Two conversations opening with the same 64-token system prompt: the second does not replace the first."""
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    system = random_prompt(64, seed=32)
+    conversations = [torch.cat([system, random_prompt(150, seed=33 + c)], dim=1) for c in (0, 1)]
+    for conversation in conversations:
+        speculate(target, drafter, conversation, prefilled_cache(target, conversation[:, :-10]))
+    feeds = PrefillFeeds(drafter)
+    turn = torch.cat([conversations[0], random_prompt(20, seed=35)], dim=1)
+    speculate(target, drafter, turn, prefilled_cache(target, conversations[0]))
+    assert sum(feeds.fed) == turn.shape[1] - 192  # the first conversation's 214 tokens: 6 whole chunks
+    assert len(draft_prefix._prompts[drafter]) == 2
+
+
+def kept_now(drafter) -> list[int]:
+    return [id(read) for read in draft_prefix._prompts[drafter]]
+
+
+def test_the_limits_bound_what_is_kept(kept_limits):
+    target, drafter = model_pair("llama", "sdpa", draft_layers=1)
+    documents = [random_prompt(200, seed=36 + d) for d in range(3)]
+    for document in documents:
+        speculate(target, drafter, questions(document)[0], prefilled_cache(target, document))
+    kept = draft_prefix._prompts[drafter]
+    assert len(kept) == 3
+    set_kept_prompts(max_prompts=2)  # applies at once: the least recently read goes
+    assert kept_now(drafter) == [id(read) for read in kept[1:]]
+    set_kept_prompts(max_bytes=kept[-1].nbytes)  # room for one
+    assert kept_now(drafter) == [id(read) for read in kept[2:]]
+    set_kept_prompts(max_bytes=kept[-1].nbytes - 1)  # a prompt larger than the bound alone is not kept
+    assert kept_now(drafter) == []
+    feeds = PrefillFeeds(drafter)
+    out, _ = speculate(target, drafter, questions(documents[2])[1], prefilled_cache(target, documents[2]))
+    assert sum(feeds.fed) == 220 and kept_now(drafter) == []
+    assert torch.equal(
+        out, target.generate(questions(documents[2])[1], do_sample=False, max_new_tokens=NEW_TOKENS)
+    )
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_prompts": -1}, {"max_bytes": -5}, {"max_prompts": 1.5}, {"max_bytes": True}]
+)
+def test_invalid_limits_are_refused_and_change_nothing(limits, kept_limits):
+    before = set_kept_prompts()
+    with pytest.raises(ValueError, match=next(iter(limits))):
+        set_kept_prompts(**limits)
+    assert set_kept_prompts() == before == KeptPrompts()
