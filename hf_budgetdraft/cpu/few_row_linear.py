@@ -48,13 +48,15 @@ def few_row_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def few_row_linear_applies(model: nn.Module) -> bool:
-    """Whether `few_row_linears` would change any layer of `model` (plain float32 `nn.Linear` layers on CPU)."""
+    """Whether `few_row_linears` would change any layer of `model` (plain float32 `nn.Linear` layers on CPU, their
+    weights plain tensors)."""
     return any(_eligible(m) for m in model.modules())
 
 
 def _eligible(module: nn.Module) -> bool:
     return (
         type(module) is nn.Linear
+        and type(module.weight) in (nn.Parameter, torch.Tensor)  # not a quantised tensor subclass (torchao)
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
         and "forward" not in module.__dict__  # a forward the user set on the instance is left alone

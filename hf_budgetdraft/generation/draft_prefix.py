@@ -182,8 +182,9 @@ def _within_limits(kept: list[_ReadPrompt]) -> list[_ReadPrompt]:
 
 
 def _weights_version(model) -> tuple:
-    """Changes when a parameter is replaced or written in place (fine-tuning between calls, `.to(dtype)`)."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+    """Changes when a parameter is replaced or written in place (fine-tuning between calls, `.to(dtype)`; a
+    quantised tensor subclass has no data pointer of its own, but a new one is a new object)."""
+    return tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
 
 
 def _shared(read: _ReadPrompt, settings: tuple, ids: torch.LongTensor, step: int) -> int:

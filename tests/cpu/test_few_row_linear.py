@@ -105,3 +105,35 @@ def test_the_fast_ar_setup_and_the_one_liner_use_it_and_restore_it():
         assert not _swapped(target) and not _swapped(drafter)
         seen.clear()
     hook.remove()
+
+
+class LinearOnlyWeight(torch.Tensor):
+    """A weight that, like a quantised tensor subclass (torchao's int8 weights), computes `F.linear` its own way and
+    refuses a plain matmul."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.mm, torch.addmm, torch.matmul, torch.Tensor.mm, torch.Tensor.t):
+            raise NotImplementedError(f"{func.__name__} on a quantised weight")
+        if func is torch.Tensor.detach:  # a Parameter of it stays one
+            return super().__torch_function__(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))  # plain tensors out
+
+
+def test_a_target_with_quantised_weights_keeps_its_own_linear():
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    ids = random_prompt(200)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=16)
+    for layer in target.modules():
+        if type(layer) is nn.Linear:
+            layer.weight = nn.Parameter(
+                layer.weight.detach().as_subclass(LinearOnlyWeight), requires_grad=False
+            )
+    assert not few_row_linear_applies(target)
+    assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=16), expected)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids, assistant_model=drafter, do_sample=False, max_new_tokens=16, cache_implementation="budgeted"
+        )
+    assert torch.equal(out, expected) and stats.plan.target_linear is False
