@@ -161,8 +161,18 @@ def _check_prompt(target, input_ids, embeds) -> None:
 
 def _check_devices(target, assistant_model) -> None:
     """The target and the drafter run on one device (their dtypes may differ: the draft's logits are compared in
-    float32)."""
-    if assistant_model is not None and assistant_model.device != target.device:
+    float32). A target accelerate offloads in part (weights on the meta device, brought in by hooks) runs; one whose
+    first weights are offloaded reports the meta device, where transformers' assisted loop puts its tensors."""
+    if assistant_model is None:
+        return
+    if target.device.type == "meta":
+        raise ValueError(
+            "the target's first weights are on the meta device (offloaded by accelerate: cpu_offload, disk_offload, "
+            "or a device_map that offloads its embeddings), and speculative decoding places its tensors on "
+            "target.device: keep the embeddings on the device it computes on (a device_map with 'model.embed_tokens' "
+            "there; later layers may be offloaded), or load the target whole on that device"
+        )
+    if assistant_model.device != target.device:
         raise ValueError(
             f"the target is on {target.device} and the drafter on {assistant_model.device}; speculative decoding "
             f"runs both on one device: move the drafter with drafter.to({str(target.device)!r})"

@@ -1,6 +1,7 @@
 """The `generate()` integration: bad calls fail loudly with a message that says what to change, the hook changes
 nothing else, `record_speculation()` reports what ran."""
 
+import accelerate
 import pytest
 import torch
 from tiny_models import model_pair, random_prompt
@@ -68,6 +69,34 @@ def test_target_and_drafter_on_different_devices_are_refused():
     target, drafter = model_pair("llama", num_assistant_tokens=None)
     with pytest.raises(ValueError, match="the target is on cpu and the drafter on meta"):
         _generate(target, drafter.to("meta"), cache_implementation="budgeted")
+
+
+def test_a_target_offloaded_in_part_by_accelerate_drafts_losslessly(tmp_path):
+    """Layers offloaded to disk by a device_map (weights on the meta device, brought in by accelerate's hooks)."""
+    target, drafter = model_pair("llama", num_assistant_tokens=None)
+    ids = random_prompt(200)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=12)
+    layers = len(target.model.layers)
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.norm": "cpu",
+        "lm_head": "disk",
+    }
+    device_map |= {f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)}
+    target = accelerate.dispatch_model(target, device_map=device_map, offload_dir=str(tmp_path))
+    assert any(p.device.type == "meta" for p in target.parameters())
+    out = target.generate(
+        ids, assistant_model=drafter, do_sample=False, max_new_tokens=12, cache_implementation="budgeted"
+    )
+    assert torch.equal(out, expected)
+
+
+def test_a_target_offloaded_whole_is_refused_with_what_to_keep():
+    target, drafter = model_pair("llama", num_assistant_tokens=None)
+    accelerate.cpu_offload(target, execution_device="cpu")
+    with pytest.raises(ValueError, match="keep the embeddings on the device it computes on"):
+        _generate(target, drafter, cache_implementation="budgeted")
 
 
 def test_a_drafter_of_another_dtype_drafts_losslessly():
