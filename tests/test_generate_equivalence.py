@@ -157,6 +157,8 @@ def _processor_calls(free: list[int], prompt: int) -> dict:
         "forced_eos_token_id": dict(forced_eos_token_id=free[2], max_new_tokens=12),
         "min_length": dict(min_length=prompt + 20, eos_token_id=free[5]),
         "min_new_tokens": dict(min_new_tokens=20, eos_token_id=free[5]),
+        # a stray EOS id past the vocabulary (a config's): transformers' processor ignores it, so must the draft
+        "eos_past_the_vocabulary": dict(min_new_tokens=20, eos_token_id=[free[5], 10**6]),
         "exponential_decay_length_penalty": dict(
             exponential_decay_length_penalty=(4, 1.5), eos_token_id=free[9]
         ),

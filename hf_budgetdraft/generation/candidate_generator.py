@@ -132,7 +132,7 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         processors = generation_args["logits_processor"]
         sample = bool(self.generation_config.do_sample)
         eos = self.generation_config.eos_token_id
-        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=ids.device)
+        eos = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
         if self._padded is None:
@@ -151,8 +151,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
             # a plain list, not a LogitsProcessorList: AssistedCandidateGenerator filters the call's list
             for processor in processors:
                 logits = processor(ids, logits)
-            if step < min_new and eos.numel():
-                logits[:, eos] = -float("inf")
+            if step < min_new and eos:  # ids past the drafter's vocabulary (a config's stray EOS) never come
+                logits[:, [token for token in eos if token < logits.shape[-1]]] = -float("inf")
             probs = logits.softmax(-1) if sample or threshold else None
             token = torch.multinomial(probs, 1) if sample else logits.argmax(-1, keepdim=True)  # (1, 1)
             scores.append(logits)

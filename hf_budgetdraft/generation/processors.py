@@ -65,8 +65,10 @@ def suppress_eos(logits: torch.Tensor, processor, lengths: torch.Tensor) -> torc
         short = lengths - processor.prompt_length_to_skip < processor.min_new_tokens
     else:
         short = lengths < processor.min_length
-    eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    eos[processor.eos_token_id.to(logits.device)] = True
+    vocabulary = torch.arange(logits.shape[-1], device=logits.device)
+    eos = torch.isin(
+        vocabulary, processor.eos_token_id.to(logits.device)
+    )  # (V,); an id past V matches nothing
     return logits.masked_fill(short.to(logits.device)[..., None] & eos, -float("inf"))
 
 
