@@ -77,6 +77,7 @@ MORE_FAMILIES: dict[str, tuple[str, dict, float]] = {
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 0]), 0.03),
     "glm4": ("glm4", dict(head_dim=16), 0.03),
     "gpt2": ("gpt2", dict(num_key_value_heads=None, intermediate_size=None), 0.03),
+    "hrm_text": ("hrm_text", {}, 0.03),  # its config class redefines the _attn_implementation property
 }
 ALL_FAMILIES = [*FAMILIES, *MORE_FAMILIES]
 EAGER_ONLY = {"gpt_oss", "gemma2"}  # no sdpa attention in transformers

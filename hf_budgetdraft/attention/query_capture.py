@@ -89,7 +89,12 @@ def _deliver(pending: _Request, queries: torch.Tensor) -> None:
 def _make_capturing(base: str) -> Callable:
     def attention(module, query, key, value, attention_mask, **kwargs):
         pending = _request.get()
-        if pending is not None and pending.layer_idx == getattr(module, "layer_idx", None):
+        # the layer's own call: by index, or by the keys its update returned (a model reusing one layer at several
+        # cache indices, HRM-Text's cycles, calls update with an index of its own)
+        if pending is not None and (
+            pending.layer_idx == getattr(module, "layer_idx", None)
+            or (pending.keys is not None and key is pending.keys)
+        ):
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             _deliver(pending, query * scaling)
         function = _SDPA_FUNCTIONS.get(base) or family_eager_attention(module, _NO_EAGER)

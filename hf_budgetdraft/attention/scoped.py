@@ -26,6 +26,7 @@ from transformers import PreTrainedConfig
 # id(config) -> the attention implementation that config runs in this context (a new dict per scope, never mutated)
 _OVERRIDES: ContextVar[dict[int, str] | None] = ContextVar("budgetdraft_attention", default=None)
 _install_lock = threading.Lock()
+_wrapped: set[type] = set()  # config classes besides PreTrainedConfig whose own property install() wrapped
 
 
 @torch._dynamo.assume_constant_result
@@ -52,20 +53,28 @@ class ScopedAttnImplementation(property):
         self.replaced = replaced
 
 
-def install() -> None:
-    """Wrap `PreTrainedConfig._attn_implementation` so that it reads the current scope first (idempotent)."""
+def install(configs: list[PreTrainedConfig] = ()) -> None:
+    """Wrap `PreTrainedConfig._attn_implementation`, and the property of any class of `configs` that defines its own
+    (hiding the wrapped one), so that it reads the current scope first (idempotent)."""
+    owners = [PreTrainedConfig] + [
+        cls for config in configs for cls in type(config).__mro__ if "_attn_implementation" in cls.__dict__
+    ]
     with _install_lock:
-        current = PreTrainedConfig.__dict__["_attn_implementation"]
-        if not isinstance(current, ScopedAttnImplementation):
-            PreTrainedConfig._attn_implementation = ScopedAttnImplementation(current)
+        for cls in owners:
+            current = cls.__dict__["_attn_implementation"]
+            if isinstance(current, property) and not isinstance(current, ScopedAttnImplementation):
+                cls._attn_implementation = ScopedAttnImplementation(current)
+                _wrapped.add(cls)
 
 
 def uninstall() -> None:
-    """Put transformers' own `PreTrainedConfig._attn_implementation` back (the next scope wraps it again)."""
+    """Put transformers' own `_attn_implementation` properties back (the next scope wraps them again)."""
     with _install_lock:
-        current = PreTrainedConfig.__dict__["_attn_implementation"]
-        if isinstance(current, ScopedAttnImplementation):
-            PreTrainedConfig._attn_implementation = current.replaced
+        for cls in (PreTrainedConfig, *_wrapped):
+            current = cls.__dict__.get("_attn_implementation")
+            if isinstance(current, ScopedAttnImplementation):
+                cls._attn_implementation = current.replaced
+        _wrapped.clear()
 
 
 def model_configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
@@ -93,8 +102,9 @@ def attention_scope(model, implementation: str | None) -> Callable[[], contextli
         or not model._can_set_attn_implementation()
     ):
         return contextlib.nullcontext
-    install()
-    return functools.partial(_scope, tuple(id(c) for c in model_configs(model)), implementation)
+    configs = model_configs(model)
+    install(configs)
+    return functools.partial(_scope, tuple(id(c) for c in configs), implementation)
 
 
 def using_attention(model, implementation: str | None) -> contextlib.AbstractContextManager:
