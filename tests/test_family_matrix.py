@@ -1,12 +1,12 @@
 """Every drafter family stock assisted generation runs also drafts on a sparse cache, token-identical to the target.
 
-Matrix: the 16 families of `tiny_families.MORE_FAMILIES` (hybrid convolution LFM2 / Inkling, all-sliding Mistral,
+Matrix: the 17 families of `tiny_families.MORE_FAMILIES` (hybrid convolution LFM2 / Inkling, all-sliding Mistral,
 Falcon, gpt-oss with sinks, MoE, MLA, mixed sliding, NoPE, learned positions, HRM-Text's layers reused at several
-cache indices) x {sink_window, budgeted chunk}, and all 26 families (with `tiny_models.FAMILIES`, whose other
-caches `test_generate_equivalence` covers) x the query-scored policies {snapkv, chunk with
-`query_proxy="last_query"`}. Plus the contracts behind them: exact
-rollback of convolution states, the all-sliding rule, stateful drafters refused, queries captured from attention
-that bypasses transformers' attention interface.
+cache indices, NanoChat's weightless norms) x {sink_window, budgeted chunk}, and all 27 families (with
+`tiny_models.FAMILIES`, whose other caches `test_generate_equivalence` covers) x the query-scored policies {snapkv,
+chunk with `query_proxy="last_query"`}. Plus the contracts behind them: exact rollback of convolution states, the
+all-sliding rule, stateful drafters refused, queries captured from attention that bypasses transformers' attention
+interface.
 """
 
 import functools

@@ -78,6 +78,7 @@ MORE_FAMILIES: dict[str, tuple[str, dict, float]] = {
     "glm4": ("glm4", dict(head_dim=16), 0.03),
     "gpt2": ("gpt2", dict(num_key_value_heads=None, intermediate_size=None), 0.03),
     "hrm_text": ("hrm_text", {}, 0.03),  # its config class redefines the _attn_implementation property
+    "nanochat": ("nanochat", {}, 1.0),  # weightless RMSNorms (q/k norms too), a ReLU^2 MLP
 }
 ALL_FAMILIES = [*FAMILIES, *MORE_FAMILIES]
 EAGER_ONLY = {"gpt_oss", "gemma2"}  # no sdpa attention in transformers

@@ -49,7 +49,8 @@ def _layer_problem(layer: nn.Module) -> str | None:
     if not all(_plain_linear(getattr(attention, name)) for name in ATTENTION_PROJECTIONS):
         return "attention projections that are not plain nn.Linear (an unmerged adapter, a quantised layer)"
     for name in ATTENTION_NORMS & _children(attention):
-        if getattr(attention, name).weight.shape[-1] != attention.head_dim:
+        weight = getattr(getattr(attention, name), "weight", None)  # NanoChat's norms have none
+        if weight is not None and weight.shape[-1] != attention.head_dim:
             return f"a {name} over the whole projection, not per head"
     if _children(mlp) - {"act_fn"} != MLP_PROJECTIONS or not all(
         _plain_linear(getattr(mlp, name)) for name in MLP_PROJECTIONS
