@@ -154,8 +154,8 @@ def test_hybrid_drafter_with_a_window_covering_everything_drafts_as_stock(family
 
 
 def test_stateful_drafter_is_refused_at_its_first_rollback():
-    """A recurrent state (qwen3_next's gated delta net) cannot be rolled back: refused, as transformers refuses a
-    stateful model in assisted generation (stock assisted generation would draft on from a state it never undid)."""
+    """A recurrent state (qwen3_next's gated delta net) is not rolled back by a sparse draft cache: refused at the
+    first crop, naming what runs instead (a draft that went on from a state it never undid would cost acceptance)."""
     config = AutoConfig.for_model(
         "qwen3_next",
         **{**COMMON, "num_hidden_layers": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
@@ -169,7 +169,7 @@ def test_stateful_drafter_is_refused_at_its_first_rollback():
     )
     drafter = AutoModelForCausalLM.from_config(config).eval()
     target, _ = family_pair("llama")
-    with pytest.raises(ValueError, match="layer 0 .* holds a recurrent state .* refuses stateful models"):
+    with pytest.raises(ValueError, match="layer 0 .* holds a recurrent state .* stock assisted generation"):
         target.generate(
             random_prompt(40),
             assistant_model=drafter,

@@ -59,9 +59,9 @@ class SparseDraftCache(Cache):
     or larger than the model's own: a sliding layer reads what the model was trained to read, at a cost bounded by
     its own window.
 
-    Refused: layer types transformers' `DynamicCache` has no layer for, and, at the first `crop` (transformers'
-    assisted generation refuses stateful models too), a layer holding a recurrent state (Mamba, gated delta net),
-    which cannot be rolled back.
+    Refused: layer types transformers' `DynamicCache` has no layer for, and, at the first `crop`, a layer holding a
+    recurrent state (Mamba, gated delta net), which these caches do not roll back (transformers 5.25's own
+    assisted generation keeps a history of recurrent states to do so; earlier releases refuse such drafters).
     """
 
     def __init__(
@@ -127,9 +127,10 @@ class SparseDraftCache(Cache):
             if any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
                 raise ValueError(
                     f"crop({tokens_to_remove}): layer {idx} ({type(layer).__name__}) holds a recurrent state (a "
-                    "stateful model: Mamba, gated delta net, ...), which cannot be rolled back to an earlier token, "
-                    "so a rejected draft cannot be undone exactly; transformers' assisted generation refuses stateful "
-                    "models too. Use a drafter made of attention and convolution layers (e.g. Llama, LFM2)."
+                    "stateful model: Mamba, gated delta net, ...), which a sparse draft cache does not roll back to "
+                    "an earlier token, so a rejected draft cannot be undone exactly. Use a drafter made of attention "
+                    "and convolution layers (e.g. Llama, LFM2), or, for this drafter, stock assisted generation "
+                    "(no cache_implementation; transformers 5.25 keeps its recurrent states per drafted token)."
                 )
         super().crop(tokens_to_remove)
 
