@@ -6,7 +6,8 @@ here, from the installed transformers' own signatures and attributes (never from
 - `CACHE_KWARG`: the name of the KV cache argument of a model's forward, of `generate()` and of `model_kwargs`:
   `cache` from 5.24 on, `past_key_values` before (5.24 still takes the old name, with a deprecation warning);
 - `activate_past_recording`: let a draft cache roll back its bounded layers; from 5.25 a recurrent layer can also
-  record its intermediate states, which a sparse draft cache never asks for (it refuses recurrent drafters);
+  record its intermediate states, which a drafter's sparse cache asks for (before 5.25 recurrent drafters are
+  refused at the first rollback);
 - `prepare_draft_inputs`: the assistant's attention mask / position ids / token type ids for a round (the helpers
   `AssistedCandidateGenerator._update_past_and_masks` calls, whose own signature changed in 5.25);
 - `patch_point_problems()`: what the package relies on that the installed transformers lacks. `install()` refuses
@@ -80,10 +81,12 @@ def output_cache(output):
     return getattr(output, CACHE_KWARG, None)
 
 
-def activate_past_recording(cache) -> None:
-    """Make `cache`'s bounded layers (sliding windows, convolution states) keep what `crop(-n)` needs to roll back."""
+def activate_past_recording(cache, recurrent_states_to_keep: int = 0) -> None:
+    """Make `cache`'s bounded layers (sliding windows, convolution states) keep what `crop(-n)` needs to roll back,
+    and from 5.25 its recurrent layers the states of their last `recurrent_states_to_keep` tokens (before 5.25 they
+    keep none, and a recurrent layer cannot be rolled back)."""
     if _RECURRENT_STATES_TO_KEEP:
-        cache.activate_past_recording(recurrent_states_to_keep=0)
+        cache.activate_past_recording(recurrent_states_to_keep=recurrent_states_to_keep)
     else:
         cache.activate_past_recording()
 

@@ -14,12 +14,13 @@ import logging
 
 import pytest
 import torch
+import transformers
 from tiny_families import ALL_FAMILIES, MORE_FAMILIES, family_pair, more_config
 from tiny_models import COMMON, random_prompt, skip_unless_static
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from hf_budgetdraft import BudgetedCache, SinkWindowCache, query_capture, record_speculation
+from hf_budgetdraft import BudgetedCache, SinkWindowCache, compat, query_capture, record_speculation
 from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, draft_cache, get_policy
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
@@ -136,6 +137,33 @@ def test_convolution_state_rolls_back_exactly(family, kind, static):
     assert caches[0].is_linear == ([True, False] if family == "lfm2" else [False, False])
 
 
+@pytest.mark.parametrize("kind", ["sink_window", "budgeted"])
+@torch.no_grad()
+def test_a_recurrent_state_rolls_back_exactly(kind):
+    """Qwen3-Next's gated delta net (transformers 5.25 records its per-token states): a block of 3 tokens and 2 single
+    drafted tokens, then `crop(-4)`, leave the cache as if only the block's first token had been fed."""
+    if not compat._RECURRENT_STATES_TO_KEEP:
+        pytest.skip(f"transformers {transformers.__version__} records no recurrent states: refused there")
+    model = _qwen3_next_drafter()
+    prompt, block, drafted = random_prompt(80), random_prompt(3, seed=7), random_prompt(2, seed=8)
+    caches = [_draft_cache(model, kind, static=False) for _ in range(2)]
+    for cache in caches:
+        compat.activate_past_recording(cache, recurrent_states_to_keep=8)
+        model(prompt, **cache_kwargs(cache), use_cache=True)
+    model(block, **cache_kwargs(caches[0]), position_ids=torch.arange(80, 83)[None], use_cache=True)
+    _step_logits(model, caches[0], drafted, start=83)
+    caches[0].crop(-4)
+    _step_logits(model, caches[1], block[:, :1], start=80)
+    right = random_prompt(2, seed=9)
+    rolled_back = _step_logits(model, caches[0], right, start=81)
+    torch.testing.assert_close(
+        rolled_back, _step_logits(model, caches[1], right, start=81), rtol=1e-5, atol=1e-5
+    )
+    unrolled = caches[1]  # the check can fail: a state that read the drafts reads otherwise
+    _step_logits(model, unrolled, torch.cat([block[:, 1:], drafted], dim=1), start=83)
+    assert not torch.allclose(rolled_back, _step_logits(model, unrolled, right, start=85), atol=1e-3)
+
+
 @pytest.mark.parametrize("family", ["lfm2", "inkling"])
 def test_hybrid_drafter_with_a_window_covering_everything_drafts_as_stock(family):
     """A window longer than the context reads every key: each round drafts and accepts what stock assisted
@@ -153,9 +181,7 @@ def test_hybrid_drafter_with_a_window_covering_everything_drafts_as_stock(family
     assert windowed.proposed_per_round == native.proposed_per_round
 
 
-def test_stateful_drafter_is_refused_at_its_first_rollback():
-    """A recurrent state (qwen3_next's gated delta net) is not rolled back by a sparse draft cache: refused at the
-    first crop, naming what runs instead (a draft that went on from a state it never undid would cost acceptance)."""
+def _qwen3_next_drafter():
     config = AutoConfig.for_model(
         "qwen3_next",
         **{**COMMON, "num_hidden_layers": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2},
@@ -167,17 +193,33 @@ def test_stateful_drafter_is_refused_at_its_first_rollback():
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     )
-    drafter = AutoModelForCausalLM.from_config(config).eval()
-    target, _ = family_pair("llama")
-    with pytest.raises(ValueError, match="layer 0 .* holds a recurrent state .* stock assisted generation"):
-        target.generate(
-            random_prompt(40),
-            assistant_model=drafter,
-            do_sample=False,
-            max_new_tokens=8,
-            cache_implementation="sink_window",
-            cache_config={"num_sink_tokens": 4, "window_length": 16},
-        )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", ["sink_window", "budgeted"])
+def test_a_stateful_drafter_rolls_its_recurrent_state_back(name):
+    """A recurrent state (qwen3_next's gated delta net) rolls back through the states transformers records per token
+    from 5.25 on (the drafter: a Qwen3-Next of its own, the target's full-attention layer sparsified); before 5.25 it
+    is refused at the first rollback, naming the upgrade."""
+    drafter = _qwen3_next_drafter()
+    target = _qwen3_next_drafter()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    ids = random_prompt(120)
+    call = dict(do_sample=False, max_new_tokens=24)
+    sizes = {"sink_window": {"num_sink_tokens": 4, "window_length": 16}, "budgeted": {"budget": 24}}
+    speculative = dict(assistant_model=drafter, cache_implementation=name, cache_config=sizes[name])
+    if not compat._RECURRENT_STATES_TO_KEEP:
+        with pytest.raises(ValueError, match="layer 0 .* holds a recurrent state .* Upgrade transformers"):
+            target.generate(ids, **speculative, **call)
+        return
+    with record_speculation() as stats:
+        out = target.generate(ids, **speculative, **call)
+    assert torch.equal(out, target.generate(ids, **call))
+    assert (
+        0 < sum(stats.accepted_per_round) < sum(stats.proposed_per_round)
+    )  # drafts rejected: states rolled back
 
 
 def test_unknown_layer_type_is_refused():

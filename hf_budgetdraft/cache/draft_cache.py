@@ -59,9 +59,9 @@ class SparseDraftCache(Cache):
     or larger than the model's own: a sliding layer reads what the model was trained to read, at a cost bounded by
     its own window.
 
-    Refused: layer types transformers' `DynamicCache` has no layer for, and, at the first `crop`, a layer holding a
-    recurrent state (Mamba, gated delta net), which these caches do not roll back (transformers 5.25's own
-    assisted generation keeps a history of recurrent states to do so; earlier releases refuse such drafters).
+    A layer holding a recurrent state (Mamba, gated delta net) rolls back through the states of its last tokens,
+    which transformers records from 5.25 on (`compat.activate_past_recording`); before 5.25 it is refused at the
+    first `crop`. Refused always: layer types transformers' `DynamicCache` has no layer for.
     """
 
     def __init__(
@@ -124,13 +124,17 @@ class SparseDraftCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens from every layer (exact within the slack, else raises)."""
         for idx, layer in enumerate(self.layers):
-            if any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
+            kept = getattr(layer, "recurrent_states_to_keep", None) or 0  # from 5.25: past states recorded
+            if (
+                any(getattr(layer, "is_recurrent_states_initialized", {}).values())
+                and kept < -tokens_to_remove
+            ):
                 raise ValueError(
                     f"crop({tokens_to_remove}): layer {idx} ({type(layer).__name__}) holds a recurrent state (a "
-                    "stateful model: Mamba, gated delta net, ...), which a sparse draft cache does not roll back to "
-                    "an earlier token, so a rejected draft cannot be undone exactly. Use a drafter made of attention "
-                    "and convolution layers (e.g. Llama, LFM2), or, for this drafter, stock assisted generation "
-                    "(no cache_implementation; transformers 5.25 keeps its recurrent states per drafted token)."
+                    f"stateful model: Mamba, gated delta net, ...) and keeps the states of its last {kept} tokens "
+                    "(transformers 5.25 records them, earlier releases none), so a rejected draft cannot be undone "
+                    "exactly. Upgrade transformers, or use a drafter made of attention and convolution layers (e.g. "
+                    "Llama, LFM2)."
                 )
         super().crop(tokens_to_remove)
 

@@ -38,7 +38,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         super().__init__(
             input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor, logits_processor
         )
-        activate_past_recording(draft_cache)  # sliding-window layers (if any) must be able to roll back too
+        # sliding-window and recurrent layers (if any) must be able to roll back a round's drafts too
+        activate_past_recording(draft_cache, recurrent_states_to_keep=plan.spec.slack)
         # the draft's own generate() (nested, for batches) is handed the draft cache itself, never a cache name
         # (transformers resets it from 5.24 on)
         self.generation_config.cache_implementation = None
