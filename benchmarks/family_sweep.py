@@ -31,6 +31,9 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import run_record  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = dict(
     vocab_size=128,
@@ -190,9 +193,6 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(families) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     if unknown:
         parser.error(f"not causal-LM model types of this transformers: {unknown}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from provenance import run_record
-
     rows = []
     for family in families:
         rows.append(run_isolated(family))

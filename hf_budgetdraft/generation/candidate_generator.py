@@ -133,7 +133,10 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         processors = generation_args["logits_processor"]
         sample = bool(self.generation_config.do_sample)
         eos = self.generation_config.eos_token_id
-        eos = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
+        eos = (
+            eos.tolist() if torch.is_tensor(eos) else eos
+        )  # an int or a list of them, as a config holds them
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")
         if self._padded is None:
