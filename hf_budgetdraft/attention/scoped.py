@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
@@ -53,7 +53,7 @@ class ScopedAttnImplementation(property):
         self.replaced = replaced
 
 
-def install(configs: list[PreTrainedConfig] = ()) -> None:
+def install(configs: Iterable[PreTrainedConfig] = ()) -> None:
     """Wrap `PreTrainedConfig._attn_implementation`, and the property of any class of `configs` that defines its own
     (hiding the wrapped one), so that it reads the current scope first (idempotent)."""
     owners = [PreTrainedConfig] + [

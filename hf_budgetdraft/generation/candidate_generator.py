@@ -133,9 +133,8 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         processors = generation_args["logits_processor"]
         sample = bool(self.generation_config.do_sample)
         eos = self.generation_config.eos_token_id
-        eos = (
-            eos.tolist() if torch.is_tensor(eos) else eos
-        )  # an int or a list of them, as a config holds them
+        # an int or a list of them, as a config holds them (a tensor converted: the one host read, if given one)
+        eos = eos.tolist() if torch.is_tensor(eos) else eos
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         threshold = self.plan.confidence_threshold
         mask = self.assistant_kwargs.get("attention_mask")

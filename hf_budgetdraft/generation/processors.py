@@ -65,10 +65,9 @@ def suppress_eos(logits: torch.Tensor, processor, lengths: torch.Tensor) -> torc
         short = lengths - processor.prompt_length_to_skip < processor.min_new_tokens
     else:
         short = lengths < processor.min_length
+    # (V,): which ids are EOS; an EOS id past the vocabulary (a config's stray one) matches nothing
     vocabulary = torch.arange(logits.shape[-1], device=logits.device)
-    eos = torch.isin(
-        vocabulary, processor.eos_token_id.to(logits.device)
-    )  # (V,); an id past V matches nothing
+    eos = torch.isin(vocabulary, processor.eos_token_id.to(logits.device))
     return logits.masked_fill(short.to(logits.device)[..., None] & eos, -float("inf"))
 
 
