@@ -71,6 +71,7 @@ from .generation.device_loop import unsupported as unsupported_by_device_round
 from .generation.dflash import windowed_dflash_cache
 from .generation.draft_length import for_mtp
 from .generation.draft_prefix import reusing_read_prompts
+from .generation.model_inputs import uncarried_inputs
 from .generation.mtp_heads import expose_mtp_layers
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
 from .generation.prefilled import (
@@ -341,6 +342,13 @@ def _single_sequence(stock, self, plan, generation_config, input_ids, args, kwar
     cache, mask = kwargs.get(CACHE_KWARG), kwargs.get("attention_mask")
     # transformers' prefill_chunk_size, which its assisted loop ignores (a padded row keeps the one-forward prefill)
     chunk = generation_config.prefill_chunk_size if mask is None or bool(mask.all()) else None
+    extra = uncarried_inputs(kwargs, input_ids) if chunk is not None else []
+    if extra:
+        logger.warning_once(
+            f"prefill_chunk_size is not applied to a speculative call whose model inputs include {extra} (the chunks "
+            "would be fed without them): the prompt is verified in one forward, as transformers' assisted loop does"
+        )
+        chunk = None
     try:
         with (
             kept_on_failure(cache),

@@ -35,6 +35,7 @@ from ..compat import CACHE_KWARG, cache_kwargs
 from . import draft_prefix
 from .acceptance import accept_round
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
+from .model_inputs import uncarried_inputs
 from .plan import DraftPlan
 from .prefilled import check_embeds, check_prompt_extends
 from .processors import LENGTH_ONLY, SCORE_ONLY, suppress_eos
@@ -413,8 +414,15 @@ def _stack(drafts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 PER_TOKEN_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def _refuse_unsupported(generation_config, kwargs: dict, what: str, only_with_dict: bool) -> None:
+def _refuse_unsupported(generation_config, kwargs: dict, input_ids, what: str, only_with_dict: bool) -> None:
     """The options a batched loop cannot honour (`only_with_dict`: the outputs count only when a dict is returned)."""
+    extra = uncarried_inputs(kwargs, input_ids)
+    if extra:
+        raise ValueError(
+            f"{what} feeds the target the prompt's ids (or inputs_embeds) and positions counted along each row; this "
+            f"call also gives the model {extra} (an image or other encoded input, token types, multimodal "
+            "positions), which it would drop. Generate one sequence at a time: transformers' loop feeds them"
+        )
     outputs = not only_with_dict or generation_config.return_dict_in_generate
     asked = [name for name in PER_TOKEN_OUTPUTS if outputs and getattr(generation_config, name, False)]
     if asked:
@@ -434,7 +442,13 @@ def _output(sequences: torch.LongTensor, generation_config):
 
 def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, kwargs: dict):
     """`_assisted_decoding` for a batch: check what the batched loop supports, run it, shape the result."""
-    _refuse_unsupported(generation_config, kwargs, "batched speculative decoding", only_with_dict=False)
+    _refuse_unsupported(
+        generation_config,
+        kwargs,
+        input_ids,
+        "batched speculative decoding (a batch, or cache_config full_draft_cache=True)",
+        only_with_dict=False,
+    )
     if target.config.is_encoder_decoder:
         raise ValueError("batched speculative decoding supports decoder-only targets")
     speculation = BatchedSpeculation(
@@ -459,7 +473,9 @@ def run_batched(target, drafter, plan: DraftPlan, input_ids, generation_config, 
 def run_sparse_batch(model, spec, input_ids, generation_config, kwargs: dict):
     """`_sample` for a left-padded batch on a sparse cache without a draft (the lossy mode): the target itself
     reads each row's sink + window or budgeted selection, one token a step."""
-    _refuse_unsupported(generation_config, kwargs, "a padded batch on a sparse cache", only_with_dict=True)
+    _refuse_unsupported(
+        generation_config, kwargs, input_ids, "a padded batch on a sparse cache", only_with_dict=True
+    )
     plan = DraftPlan(spec=spec.replace(static=False, compile=False, draft_length=0))
     decoding = BatchedSpeculation(
         model, None, plan, generation_config, kwargs.get("logits_processor"), kwargs.get("stopping_criteria")

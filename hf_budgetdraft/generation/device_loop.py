@@ -33,6 +33,7 @@ from .acceptance import accept_round, sample_on_device
 from .batched_loop import PER_TOKEN_OUTPUTS
 from .draft_length import RoundClock
 from .draft_steps import DraftSteps
+from .model_inputs import uncarried_inputs
 from .plan import DraftPlan
 from .prefilled import check_prompt_extends, is_given
 from .processors import is_blockwise, process_block
@@ -60,6 +61,9 @@ def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
         return "a prompt given as inputs_embeds"
     if kwargs.get("synced_gpus"):
         return "synced_gpus"
+    extra = uncarried_inputs(kwargs, input_ids)
+    if extra:
+        return f"model inputs it does not feed the target ({extra})"
     return None
 
 

@@ -1,0 +1,301 @@
+"""A multimodal target (an image in the prompt) with a text drafter: the output is the target's own greedy output on
+the image, wherever the call runs. transformers' loop feeds the target the image (`pixel_values`, or its encoding in
+`mm_encoder_outputs` from 5.25 on) and multimodal positions; the package's own loops (the batched loop, the device
+round) and its chunked prefill feed ids and counted positions only, so a call with such inputs runs transformers'
+loop, or is refused where it has none."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    CLIPVisionConfig,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+import hf_budgetdraft.generation.plan as plan_module
+from hf_budgetdraft import record_speculation
+from hf_budgetdraft.compat import cache_kwargs
+from hf_budgetdraft.generation.device_loop import unsupported
+from hf_budgetdraft.generation.device_rules import device_rules
+from hf_budgetdraft.generation.model_inputs import uncarried_inputs
+
+TEXT = dict(
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+IMAGE_TOKEN, PATCHES = 190, 16  # LLaVA: a 32 x 32 image in 8 x 8 patches, one token each
+CACHES = {"budgeted": {"budget": 32}, "sink_window": {"num_sink_tokens": 4, "window_length": 24}}
+NEW_TOKENS = 30
+
+
+def _text_drafter(target, config) -> torch.nn.Module:
+    """A text model holding the target's language model and head: it accepts where the text decides."""
+    drafter = AutoModelForCausalLM.from_config(config).eval()
+    weights = {
+        name.replace("model.language_model.", "model."): value
+        for name, value in target.state_dict().items()
+        if "language_model" in name or name.startswith("lm_head")
+    }
+    drafter.load_state_dict(weights, strict=False)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def llava():
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**TEXT),
+        image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+    )
+    target = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # margins above float noise
+    return target, _text_drafter(target, LlamaConfig(**TEXT))
+
+
+def image_prompt(seed: int, before: int = 10, after: int = 300) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.cat(
+        [
+            torch.randint(1, 180, (1, before), generator=generator),
+            torch.full((1, PATCHES), IMAGE_TOKEN),
+            torch.randint(1, 180, (1, after), generator=generator),
+        ],
+        1,
+    )
+
+
+def an_image(seed: int, images: int = 1) -> torch.Tensor:
+    return torch.randn(images, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
+
+
+def speculate(target, drafter, ids, name="budgeted", cache_config=None, **kwargs):
+    config = {**CACHES[name], **(cache_config or {})}
+    return greedy(
+        target, ids, assistant_model=drafter, cache_implementation=name, cache_config=config, **kwargs
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CACHES))
+def test_an_image_prompt_gives_the_targets_own_output(llava, name):
+    target, drafter = llava
+    for seed in range(2):
+        ids, pixels = image_prompt(seed), an_image(seed)
+        with record_speculation() as stats:
+            out = speculate(target, drafter, ids, name, pixel_values=pixels)
+        assert torch.equal(out, greedy(target, ids, pixel_values=pixels))
+        assert sum(stats.accepted_per_round) > 0  # the drafter drafts: the rounds ran
+
+
+def test_the_image_changes_the_output(llava):
+    """Without this, the tests above would pass with the image dropped."""
+    target, _ = llava
+    ids = image_prompt(0)
+    assert not torch.equal(
+        greedy(target, ids, pixel_values=an_image(0)), greedy(target, ids, pixel_values=an_image(5))
+    )
+
+
+def test_the_device_round_leaves_an_image_prompt_to_transformers_loop(llava, monkeypatch):
+    """With the device round on (the rule on CUDA, here for the CPU), an image call runs transformers' loop, and
+    the plan says why; asked for explicitly, the device round refuses it."""
+    target, drafter = llava
+    cuda_rules = device_rules("cuda")
+
+    def rules(device, dtype=torch.float32):  # CUDA's choices about loops, on the CPU
+        return cuda_rules if torch.device(device).type == "cpu" else device_rules(device, dtype)
+
+    ids, pixels = image_prompt(1), an_image(1)
+    monkeypatch.setattr(plan_module, "device_rules", rules)
+    call = {"cache_config": {"compile_verify": False}}
+    with record_speculation() as stats:
+        out = speculate(target, drafter, ids, **call)
+    assert torch.equal(out, greedy(target, ids)) and stats.runtime["loop"] == "device_round"  # text: it runs
+    with record_speculation() as stats:
+        out = speculate(target, drafter, ids, pixel_values=pixels, **call)
+    assert torch.equal(out, greedy(target, ids, pixel_values=pixels))
+    assert not stats.plan.device_round
+    assert "model inputs it does not feed the target" in stats.plan.reasons["device_round"]
+    with pytest.raises(ValueError, match="model inputs it does not feed the target"):
+        speculate(target, drafter, ids, cache_config={"device_round": True}, pixel_values=pixels)
+
+
+@pytest.mark.parametrize("cache_config", [{}, {"full_draft_cache": True}], ids=["batch", "full_draft_cache"])
+def test_the_batched_loop_refuses_an_image_rather_than_drop_it(llava, cache_config):
+    target, drafter = llava
+    ids = image_prompt(2)
+    rows = 1 if cache_config else 2
+    with pytest.raises(ValueError, match=r"would drop\. Generate one sequence at a time"):
+        speculate(
+            target,
+            drafter,
+            ids.expand(rows, -1),
+            cache_config=cache_config,
+            pixel_values=an_image(2, rows),
+            attention_mask=torch.ones(rows, ids.shape[1], dtype=torch.long),
+        )
+
+
+def test_a_chunked_prefill_keeps_the_image(llava):
+    """`prefill_chunk_size` would feed the prompt's chunks without the image: such a prompt is verified whole."""
+    target, drafter = llava
+    ids, pixels = image_prompt(3), an_image(3)
+    out = speculate(target, drafter, ids, prefill_chunk_size=64, pixel_values=pixels)
+    assert torch.equal(out, greedy(target, ids, pixel_values=pixels))
+
+
+def test_a_continued_conversation_shows_an_image_in_its_second_turn(llava):
+    """Turn one (text) prefilled into a cache; turn two adds an image: the output is the target's own continuing
+    that cache."""
+    target, drafter = llava
+    first = torch.randint(1, 180, (1, 200), generator=torch.Generator().manual_seed(4))
+    second = torch.cat([first, image_prompt(4, before=5, after=40)], 1)
+    pixels = an_image(4)
+
+    def after_first_turn():
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(first, **cache_kwargs(cache), use_cache=True)
+        return cache
+
+    expected = greedy(target, second, pixel_values=pixels, **cache_kwargs(after_first_turn()))
+    assert torch.equal(expected, greedy(target, second, pixel_values=pixels))
+    out = speculate(target, drafter, second, pixel_values=pixels, **cache_kwargs(after_first_turn()))
+    assert torch.equal(out, expected)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    """A Qwen2-VL target: multimodal rotary positions (3-D `position_ids`, shifted past an image)."""
+    torch.manual_seed(0)
+    text = {
+        **TEXT,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+    }
+    vision = dict(
+        depth=1,
+        embed_dim=32,
+        hidden_size=64,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=190,
+        video_token_id=191,
+        vision_start_token_id=192,
+        vision_end_token_id=193,
+    )
+    target = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    drafter_config = Qwen2Config(**{**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    return target, _text_drafter(target, drafter_config)
+
+
+def qwen2_vl_prompt(seed: int, image: bool) -> tuple[torch.LongTensor, dict]:
+    """A prompt with a 56 x 56 image (4 x 4 patches merged 2 x 2: 4 image tokens) or none, and its inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(1, 180, (1, 10), generator=generator)]
+    if image:
+        parts.append(torch.tensor([[192, 190, 190, 190, 190, 193]]))
+    parts.append(torch.randint(1, 180, (1, 300), generator=generator))
+    ids = torch.cat(parts, 1)
+    if not image:
+        return ids, {}
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=generator)
+    types = (ids == 190).int()
+    return ids, {
+        "pixel_values": pixels,
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "mm_token_type_ids": types,
+    }
+
+
+@pytest.mark.parametrize("image", [True, False], ids=["image", "text"])
+def test_multimodal_positions_give_the_targets_own_output(qwen2_vl, image):
+    """With an image, the target's positions past it are shifted (the loops could not count them): transformers'
+    loop runs. Text alone has counted positions on every axis: the device round, forced, runs it too."""
+    target, drafter = qwen2_vl
+    ids, inputs = qwen2_vl_prompt(5, image)
+    expected = greedy(target, ids, **inputs)
+    assert torch.equal(speculate(target, drafter, ids, **inputs), expected)
+    if not image:
+        with record_speculation() as stats:
+            out = speculate(target, drafter, ids, cache_config={"device_round": True})
+        assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+
+
+def test_a_padded_text_batch_on_a_multimodal_target_runs_batched(qwen2_vl):
+    target, drafter = qwen2_vl
+    ids = torch.cat([qwen2_vl_prompt(6, False)[0], qwen2_vl_prompt(7, False)[0]])
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    call = dict(attention_mask=mask, pad_token_id=0)
+    assert torch.equal(speculate(target, drafter, ids, **call), greedy(target, ids, **call))
+
+
+def test_what_the_loops_do_not_carry():
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    counted = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+    carried = {
+        "attention_mask": mask,
+        "position_ids": counted,
+        "mm_encoder_outputs": {},
+        "token_type_ids": torch.zeros_like(ids),
+        "use_cache": True,
+        "logits_to_keep": 1,
+        "cache": DynamicCache(),
+    }
+    assert uncarried_inputs(carried, ids) == []
+    assert uncarried_inputs({**carried, "position_ids": counted.expand(3, 2, 5)}, ids) == []
+    assert uncarried_inputs({**carried, "position_ids": counted.expand(3, 2, 5)[:, :1]}, ids) == [
+        "position_ids"
+    ]
+    shifted = counted.expand(3, 2, 5).clone()
+    shifted[1:, :, 3:] -= 1
+    assert uncarried_inputs({**carried, "position_ids": shifted}, ids) == ["position_ids"]
+    extra = {
+        "pixel_values": torch.ones(1),
+        "mm_token_type_ids": torch.ones_like(ids),
+        "mm_encoder_outputs": {"a": 1},
+    }
+    assert uncarried_inputs({**carried, **extra}, ids) == [
+        "mm_encoder_outputs",
+        "mm_token_type_ids",
+        "pixel_values",
+    ]
+    assert unsupported(GenerationConfig(), {"pixel_values": torch.ones(1)}, ids[:1]) == (
+        "model inputs it does not feed the target (['pixel_values'])"
+    )
