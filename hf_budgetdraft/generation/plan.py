@@ -144,11 +144,15 @@ def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
         return spec.static, "cache_config"
     if not can_be_static:
         return False, f"{type(drafter).__name__}'s attention does not pass its kwargs to cache.update"
-    if drafter.config._attn_implementation not in SDPA_FAMILY:
+    implementation = drafter.config._attn_implementation
+    if implementation == "flex_attention" and getattr(drafter, "_supports_sdpa", False):
+        # the same attention as its sdpa: a flex mask over a sparse cache's offset keys also fails to compile on CPU
         return (
-            False,
-            f"the drafter runs {drafter.config._attn_implementation!r}, not an sdpa-family attention",
+            True,
+            "the drafter runs flex_attention, which its model computes as sdpa too: fixed slot buffers read by budgetdraft_varlen",
         )
+    if implementation not in SDPA_FAMILY:
+        return False, f"the drafter runs {implementation!r}, not an sdpa-family attention"
     return True, "the drafter's layers allow fixed slot buffers read by budgetdraft_varlen"
 
 

@@ -119,6 +119,31 @@ def test_families_without_kwargs_to_the_cache_stay_dynamic():
     assert plan_for(target, drafter).target_attention is None  # and so do eager targets
 
 
+@pytest.mark.parametrize("name", ["budgeted", "sink_window"])
+def test_a_flex_attention_drafter_drafts_on_fixed_slots(name):
+    """flex_attention is its model's sdpa attention: the drafter reads fixed slots through budgetdraft_varlen for the
+    call (a flex mask over a sparse cache's offset keys fails to compile on CPU; its model is not written to). A
+    model without sdpa (a flex score_mod, e.g. soft-capping) keeps flex on a dynamic cache."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    drafter.set_attn_implementation("flex_attention")
+    plan = plan_for(target, drafter)
+    assert plan.spec.static is True and "flex_attention" in plan.reasons["static"]
+    ids = random_prompt(200)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            cache_implementation=name,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+        )
+    assert torch.equal(out, expected) and stats.rounds > 0
+    assert drafter.config._attn_implementation == "flex_attention"
+    drafter._supports_sdpa = False
+    assert plan_for(target, drafter).spec.static is False
+
+
 @pytest.mark.parametrize("lean", [False, True])
 def test_compile_is_rented_before_it_is_bought(monkeypatch, lean):
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
