@@ -230,6 +230,27 @@ def test_unknown_layer_type_is_refused():
         SinkWindowCache(config)
 
 
+def test_a_drafter_scoring_every_past_position_is_refused():
+    """CPM-Ant adds a position bias built for every past token to its scores (stock assisted generation runs it on
+    a full cache): it is refused by name, single and batched, before its forward fails on a shape."""
+    sizes = dict(
+        vocab_size=128, hidden_size=64, dim_ff=128, num_hidden_layers=1, num_attention_heads=4, dim_head=16
+    )
+    config = AutoConfig.for_model("cpmant", **sizes)
+    torch.manual_seed(0)
+    drafter = AutoModelForCausalLM.from_config(config).eval()
+    target, _ = family_pair("llama")
+    ids = random_prompt(120)
+    for rows in (1, 2):
+        with pytest.raises(
+            ValueError, match="'cpmant' cannot run on a sparse cache: CPM-Ant adds a segment position"
+        ):
+            target.generate(
+                ids.expand(rows, -1), assistant_model=drafter, cache_implementation="budgeted", max_new_tokens=8,
+                attention_mask=torch.ones(rows, ids.shape[1], dtype=torch.long), do_sample=False,
+            )  # fmt: skip
+
+
 # -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------
 @pytest.fixture
 def fresh_log(caplog):

@@ -31,6 +31,11 @@ logger = logging.get_logger(__name__)
 # DeepSeek-V3.2's sparse attention: its indexer reads the whole cache, so it is kept whole, and this is logged).
 NATIVE_LAYER_TYPES = tuple(t for t in DYNAMIC_LAYER_TYPE_MAPPING if t not in ("full_attention", "hybrid"))
 _UNBOUNDED_NATIVE = ("indexed_attention",)
+# families whose attention adds a bias and a mask built for every past position outside the cache: their scores
+# cannot be computed over the subset of keys a sparse layer returns
+_SCORES_OVER_EVERY_POSITION = {
+    "cpmant": "CPM-Ant adds a segment position bias over every past token to its scores"
+}
 
 
 class SparseDraftCache(Cache):
@@ -83,6 +88,7 @@ class SparseDraftCache(Cache):
         check_size("window_length", window_length, 1)
         check_size("slack", slack, 1)
         check_static_flag(static, config)
+        check_scores_read_a_subset(config)
         self.selection, self.window_length, self.static = selection, window_length, static
         layer_class = StaticDraftLayer if static else DraftLayer
 
@@ -217,6 +223,16 @@ class BudgetedCache(SparseDraftCache):
         selection = BudgetSelection(budget, policy, policy_kwargs)
         self.budget, self.policy = budget, selection.policy
         super().__init__(config, selection, window_length, slack, static)
+
+
+def check_scores_read_a_subset(config: PreTrainedConfig) -> None:
+    """Refuse a family whose attention scores every past position (a bias built outside the cache)."""
+    reason = _SCORES_OVER_EVERY_POSITION.get(config.model_type)
+    if reason is not None:
+        raise ValueError(
+            f"{config.model_type!r} cannot run on a sparse cache: {reason}, so they cannot read a subset of the "
+            "keys. Draft with a model of another family, or drop cache_implementation (stock assisted generation)"
+        )
 
 
 def _log_what_is_not_sparsified(

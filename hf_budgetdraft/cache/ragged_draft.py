@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from ..attention.query_capture import cancel_request, request_queries
+from .draft_cache import check_scores_read_a_subset
 from .policies import KeepPolicy
 from .ragged import RaggedCache, RaggedLayer, RaggedStep
 from .selection import BudgetSelection, Selection, SinkSelection
@@ -82,6 +83,7 @@ class RaggedDraftCache(RaggedCache):
         slack: int,
         capacity: int = 1024,
     ):
+        check_scores_read_a_subset(config)
         check_size("window_length", window_length, 1)
         check_size("slack", slack, 1)
         if selection.refreshes:
