@@ -48,6 +48,9 @@ def _layer_problem(layer: nn.Module) -> str | None:
         return f"attention made of {sorted(_children(attention))}"
     if not all(_plain_linear(getattr(attention, name)) for name in ATTENTION_PROJECTIONS):
         return "attention projections that are not plain nn.Linear (an unmerged adapter, a quantised layer)"
+    if attention.q_proj.out_features != attention.o_proj.in_features:
+        # Qwen3-Next / Qwen3.5 project a gate beside the queries and scale the attention output by it
+        return "a query projection wider than the attention output (a gated attention)"
     for name in ATTENTION_NORMS & _children(attention):
         weight = getattr(getattr(attention, name), "weight", None)  # NanoChat's norms have none
         if weight is not None and weight.shape[-1] != attention.head_dim:

@@ -5,7 +5,8 @@ import logging
 import pytest
 import torch
 from resolved_plans import plan_for
-from tiny_models import FAMILIES, model_pair, random_prompt, supports
+from tiny_models import COMMON, FAMILIES, model_pair, random_prompt, supports
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_budgetdraft import DraftSpec, record_speculation
 from hf_budgetdraft.cpu.lean_step import LeanDraftStep, lean_step_problem
@@ -61,6 +62,27 @@ def test_families_of_another_layout_are_named_with_the_reason(family):
     assert problem is not None and type(drafter).__name__ in problem
     with pytest.raises(ValueError, match="lean_step': False"):
         LeanDraftStep(drafter)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_a_gated_attention_drafts_with_its_own_forward(family):
+    """Qwen3.5 and Qwen3-Next name their attention parts as Llama does, but their query projection also holds a gate
+    that scales the output: a drafter of full-attention layers only is not run lean (it failed on a shape in the
+    lean step before the first-step check could compare), and drafts losslessly."""
+    sizes = dict(COMMON, num_hidden_layers=1, head_dim=16, layer_types=["full_attention"])
+    if family == "qwen3_next":
+        sizes.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        )
+    config = AutoConfig.for_model(family, **sizes)
+    torch.manual_seed(0)
+    drafter = AutoModelForCausalLM.from_config(config).eval()
+    assert "gated attention" in lean_step_problem(drafter)
+    target, _ = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    ids = random_prompt(120)
+    call = dict(do_sample=False, max_new_tokens=12)
+    out = target.generate(ids, assistant_model=drafter, cache_implementation="budgeted", **call)
+    assert torch.equal(out, target.generate(ids, **call))
 
 
 def test_an_unmerged_adapter_is_not_run_lean():
