@@ -5,7 +5,8 @@
 
 Each family (a `model_type` of transformers' causal-LM auto mapping) runs in a process of its own, memory-capped
 and timed out, built small from its config class with shared sizes (hidden 64, 2 layers, 4 heads, a vocabulary of
-128; the drafter the same family with 1 layer), random weights, nothing downloaded. The target's own greedy output
+128, small experts; a few families more layers), random weights, nothing downloaded; the drafter is a copy of the
+target, so rounds are accepted in part and rolled back. The target's own greedy output
 (16 tokens after a 150-token prompt) is compared with stock assisted generation and with the one-liner on both
 draft caches. A family is
 
@@ -42,12 +43,54 @@ SIZES = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=16,
     max_position_embeddings=4096,
     n_embd=64,
     n_layer=2,
     n_head=4,
     d_model=64,
+    # token ids inside the small vocabulary (embedding tables check their padding index)
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    # experts, latent attention and per-layer embeddings at small sizes (ignored by families without them)
+    num_experts=4,
+    n_routed_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    expert_ffn_hidden_size=32,
+    ffn_hidden_size=128,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=16,
 )
+# families that need more at these sizes: hybrids whose first full-attention layer comes later, latent attention
+# (as many key/value heads as query heads, rotary on its rope part), per-layer patterns sized to two layers
+_LATENT = {"num_key_value_heads": 4, "head_dim": 8}
+FAMILY_SIZES = {
+    **{f: {"num_hidden_layers": 4} for f in ("olmo_hybrid", "qwen3_5_text", "qwen3_next")},
+    **{f: _LATENT for f in ("axk2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minicpm3", "youtu")},
+    "kimi_linear": {**_LATENT, "num_hidden_layers": 5},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {"num_hidden_layers": 3},
+    "zamba": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1},
+    "gemma3n_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_kv_shared_layers": 0,
+        "activation_sparsity_pattern": [0.0, 0.0],
+        "sliding_window": 32,
+    },
+}
 CACHES = {
     "budgeted": {"budget": 32, "window_length": 8},
     "sink_window": {"num_sink_tokens": 4, "window_length": 24},
@@ -57,20 +100,21 @@ MEMORY_BYTES, SECONDS = 6 << 30, 300
 
 
 def _build(model_type: str):
-    """`(target, drafter)` of `model_type` at the shared sizes, random weights (the drafter: 1 layer)."""
+    """`(target, drafter)` of `model_type` at the shared sizes, random weights; the drafter is a copy of the target,
+    so it accepts where the sparse draft cache keeps what the full one would, and is rejected where it does not."""
+    import copy
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    models = []
-    for layers in (2, 1):
-        config = AutoConfig.for_model(model_type, **{**SIZES, "num_hidden_layers": layers, "n_layer": layers})
-        torch.manual_seed(0)
-        models.append(AutoModelForCausalLM.from_config(config).eval())
-    if sum(p.numel() for p in models[0].parameters()) > MAX_PARAMETERS:
+    config = AutoConfig.for_model(model_type, **{**SIZES, **FAMILY_SIZES.get(model_type, {})})
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    if sum(p.numel() for p in target.parameters()) > MAX_PARAMETERS:
         raise ValueError(f"more than {MAX_PARAMETERS:,} parameters at the shared sizes")
     with torch.no_grad():
-        models[0].get_output_embeddings().weight.mul_(3.0)  # a clear argmax: greedy outputs comparable
-    return models
+        target.get_output_embeddings().weight.mul_(3.0)  # a clear argmax: greedy outputs comparable
+    return target, copy.deepcopy(target)
 
 
 def _outcome(call) -> str:
