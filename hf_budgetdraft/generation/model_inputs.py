@@ -42,7 +42,7 @@ _TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 def uncarried_inputs(kwargs: dict, input_ids: torch.LongTensor | None) -> list[str]:
     """Names of the model inputs in a call's `kwargs` that the package's own loops would not feed the target
-    (`[]`: none). `input_ids (B, L)`: the prompt. Reads small tensors on the host once per call."""
+    (`[]`: none). `input_ids (B, L)`: the prompt. Reads values on the host only for token types and 3-D positions."""
     names = []
     for name, value in kwargs.items():
         if name in _CARRIED or _empty(value):

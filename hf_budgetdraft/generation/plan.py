@@ -149,7 +149,8 @@ def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
         # the same attention as its sdpa: a flex mask over a sparse cache's offset keys also fails to compile on CPU
         return (
             True,
-            "the drafter runs flex_attention, which its model computes as sdpa too: fixed slot buffers read by budgetdraft_varlen",
+            "the drafter runs flex_attention, which its model computes as sdpa too: fixed slot buffers read by "
+            "budgetdraft_varlen",
         )
     if implementation not in SDPA_FAMILY:
         return False, f"the drafter runs {implementation!r}, not an sdpa-family attention"
