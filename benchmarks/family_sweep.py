@@ -60,6 +60,7 @@ SIZES = dict(
     num_experts_per_tok=2,
     n_group=1,
     topk_group=1,
+    n_shared_experts=1,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
     expert_ffn_hidden_size=32,
@@ -75,9 +76,22 @@ SIZES = dict(
 # families that need more at these sizes: hybrids whose first full-attention layer comes later, latent attention
 # (as many key/value heads as query heads, rotary on its rope part), per-layer patterns sized to two layers
 _LATENT = {"num_key_value_heads": 4, "head_dim": 8}
+_LATENT_ATTENTION = (
+    "axk1",
+    "axk2",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "longcat_flash",
+)
+_LATENT_ATTENTION += ("minicpm3", "youtu")
+_LATER_FULL_ATTENTION = ("bailing_hybrid", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
+_LATER_FULL_ATTENTION += ("qwen4_exp_text",)
 FAMILY_SIZES = {
-    **{f: {"num_hidden_layers": 4} for f in ("olmo_hybrid", "qwen3_5_text", "qwen3_next")},
-    **{f: _LATENT for f in ("axk2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minicpm3", "youtu")},
+    **{f: {"num_hidden_layers": 4} for f in _LATER_FULL_ATTENTION},
+    **{f: _LATENT for f in _LATENT_ATTENTION},
+    **{f: {"rotary_dim": 8} for f in ("codegen", "gptj")},
     "kimi_linear": {**_LATENT, "num_hidden_layers": 5},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1]},
@@ -105,9 +119,13 @@ def _build(model_type: str):
     import copy
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **{**SIZES, **FAMILY_SIZES.get(model_type, {})})
+    config_class = CONFIG_MAPPING[model_type]
+    sizes = {**SIZES, **FAMILY_SIZES.get(model_type, {})}
+    config = AutoConfig.for_model(
+        model_type, **{k: v for k, v in sizes.items() if _settable(config_class, k)}
+    )
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(config).eval()
     if sum(p.numel() for p in target.parameters()) > MAX_PARAMETERS:
@@ -115,6 +133,12 @@ def _build(model_type: str):
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(3.0)  # a clear argmax: greedy outputs comparable
     return target, copy.deepcopy(target)
+
+
+def _settable(config_class: type, name: str) -> bool:
+    """Whether `name` may be passed to `config_class`: not a size it derives (a property without a setter)."""
+    attribute = getattr(config_class, name, None)
+    return not isinstance(attribute, property) or attribute.fset is not None
 
 
 def _outcome(call) -> str:
