@@ -85,6 +85,7 @@ from .generation.processors import refuse_stateful
 from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 from .generation.stops import EveryTokenStops
+from .generation.windowed_assistant import WindowedAssistantCandidateGenerator, is_shared_kv_assistant
 from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp_cache
 
 logger = logging.get_logger(__name__)
@@ -233,7 +234,9 @@ def _get_candidate_generator(
         model_kwargs,
     )
     builtin_draft = generation_config.use_mtp or generation_config.speculation_type == "dflash"
-    if name in SPARSE_CACHE_IMPLEMENTATIONS and builtin_draft:
+    if name in SPARSE_CACHE_IMPLEMENTATIONS and is_shared_kv_assistant(assistant_model):
+        generator = WindowedAssistantCandidateGenerator.for_call(self, assistant_model, generation_config)
+    elif name in SPARSE_CACHE_IMPLEMENTATIONS and builtin_draft:
         generator = _windowed_builtin_generator(
             self, name, generation_config, assistant_model, stock_generator
         )
@@ -316,6 +319,8 @@ def _assisted_decoding(stock, self, *args, **kwargs):
             return _every_token_stops(stock, self, input_ids, args, kwargs)
     if not sparse:
         return stock(self, *args, **kwargs)
+    if is_shared_kv_assistant(assistant_model):
+        return _windowed_assistant(stock, self, generation_config, input_ids, args, kwargs)
     if builtin_draft:
         return _every_token_stops(stock, self, input_ids, args, kwargs)
     _check_assistant(self, assistant_model, generation_config, kwargs.get("assistant_tokenizer"))
@@ -334,6 +339,33 @@ def _assisted_decoding(stock, self, *args, **kwargs):
         if plan.device_round:
             return run_device_round(self, assistant_model, plan, input_ids, generation_config, kwargs, stats)
         return _single_sequence(stock, self, plan, generation_config, input_ids, args, kwargs)
+
+
+def _windowed_assistant(stock, self, generation_config, input_ids, args, kwargs):
+    """A Gemma 4 assistant reading a sink + window of the target's full-attention states
+    (`generation/windowed_assistant.py`): transformers' loop, its generator built in `_get_candidate_generator`."""
+    name = generation_config.cache_implementation
+    if name != "sink_window":
+        raise ValueError(
+            f"a Gemma 4 assistant drafts from the target's own keys/values; it supports "
+            f"cache_implementation='sink_window' (a sink + window of them), got {name!r}: a budgeted read of them is "
+            "not implemented"
+        )
+    # its keys, checked before any forward
+    WindowedSpec.from_cache_config("assistant", generation_config.cache_config)
+    if not type(self).__name__.startswith(("Gemma4", "Gemma3n")):
+        raise ValueError(
+            f"a Gemma 4 assistant drafts from the shared_kv_states of a Gemma 4 or Gemma 3n target, got "
+            f"{type(self).__name__}"
+        )
+    mask = kwargs.get("attention_mask")
+    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):
+        raise ValueError(
+            f"a windowed Gemma 4 assistant drafts one unpadded sequence at a time (transformers' assistant loop "
+            f"does), got {input_ids.shape[0]} rows{'' if mask is None or bool(mask.all()) else ' with padding'}; "
+            "generate the rows one by one"
+        )
+    return _every_token_stops(stock, self, input_ids, args, kwargs)
 
 
 def _single_sequence(stock, self, plan, generation_config, input_ids, args, kwargs):

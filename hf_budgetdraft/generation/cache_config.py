@@ -1,8 +1,9 @@
 """One parser of `generate(cache_config=...)` for every kind of draft, with the same checks and messages.
 
 - a drafter (`assistant_model=`): `DraftSpec.from_cache_config` (`spec.py`) checks its keys here;
-- the model's own MTP head (`use_mtp=True`) and a DFlash drafter (`speculation_type="dflash"`): `WindowedSpec`, the
-  windowed cache's options plus the run options that kind takes (MTP: `draft_length`, `fast_verify`).
+- the model's own MTP head (`use_mtp=True`), a DFlash drafter (`speculation_type="dflash"`) and a Gemma 4 assistant:
+  `WindowedSpec`, the windowed cache's options plus the run options that kind takes (MTP: `draft_length`,
+  `fast_verify`).
 
 Nothing past these reads the raw dict.
 """
@@ -16,6 +17,7 @@ KINDS = {
     # kind -> (what the messages call it, cache options, run options)
     "mtp": ("windowed MTP", (*WINDOW_OPTIONS, "static"), ("draft_length", "fast_verify")),
     "dflash": ("windowed DFlash", WINDOW_OPTIONS, ()),
+    "assistant": ("a windowed Gemma 4 assistant", ("num_sink_tokens", "window_length"), ()),
 }
 
 
@@ -35,7 +37,7 @@ def check_bool(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class WindowedSpec:
-    """A windowed built-in draft: `kind` (`"mtp"` or `"dflash"`), the windowed cache's options as given
+    """A windowed built-in draft: `kind` (`"mtp"`, `"dflash"` or `"assistant"`), the windowed cache's options as given
     (`cache_options`, checked by the cache class itself), and the run options.
 
     Args:
