@@ -251,6 +251,26 @@ def test_a_drafter_scoring_every_past_position_is_refused():
             )  # fmt: skip
 
 
+def test_a_batch_of_a_kv_sharing_model_is_refused_with_the_reason():
+    """Gemma 4 / Gemma 3n layers past the KV-sharing point read an earlier layer's keys/values (transformers gives
+    them a "dummy" cache layer): one sequence drafts on them, a batch is refused naming the sharing."""
+    sizes = dict(
+        COMMON, head_dim=16, sliding_window=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16
+    )
+    layers = dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
+    )
+    config = AutoConfig.for_model("gemma4_text", **sizes, **layers)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    ids = random_prompt(120).clamp(min=3)  # no pad ids inside the prompt
+    call = dict(assistant_model=target, cache_implementation="budgeted", do_sample=False, max_new_tokens=8)
+    assert torch.equal(target.generate(ids, **call), target.generate(ids, do_sample=False, max_new_tokens=8))
+    mask = torch.ones(2, ids.shape[1], dtype=torch.long)
+    with pytest.raises(ValueError, match=r"is 'dummy' \(it reads another layer's keys/values: KV sharing\)"):
+        target.generate(ids.expand(2, -1), attention_mask=mask, **call)
+
+
 # -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------
 @pytest.fixture
 def fresh_log(caplog):

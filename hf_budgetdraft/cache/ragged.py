@@ -173,8 +173,10 @@ class RaggedCache(Cache):
         layers = []
         for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             if layer_type not in MASKED_LAYER_TYPES:
+                # transformers gives a layer that reads another layer's keys/values (KV sharing) a "dummy" cache
+                what = " (it reads another layer's keys/values: KV sharing)" if layer_type == "dummy" else ""
                 raise ValueError(
-                    f"layer {idx} of {config.model_type!r} is {layer_type!r}; batched speculative decoding runs "
+                    f"layer {idx} of {config.model_type!r} is {layer_type!r}{what}; batched speculative decoding runs "
                     f"models whose layers are {MASKED_LAYER_TYPES}. Generate one sequence at a time with this model"
                 )
             if layer_type == "full_attention" and make_full_layer is not None:
