@@ -251,24 +251,38 @@ def test_a_drafter_scoring_every_past_position_is_refused():
             )  # fmt: skip
 
 
-def test_a_batch_of_a_kv_sharing_model_is_refused_with_the_reason():
-    """Gemma 4 / Gemma 3n layers past the KV-sharing point read an earlier layer's keys/values (transformers gives
-    them a "dummy" cache layer): one sequence drafts on them, a batch is refused naming the sharing."""
-    sizes = dict(
+@pytest.mark.parametrize("cache_name", ["budgeted", "sink_window"])
+def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
+    """Gemma 4 layers past the KV-sharing point read an earlier layer's keys/values (transformers 5.25 gives them a
+    "dummy" cache layer, earlier releases none): as target and drafter, one sequence and a padded batch (its target
+    prefilled in chunks) give the target's own greedy output."""
+    shape = dict(
         COMMON, head_dim=16, sliding_window=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16
     )
     layers = dict(
         num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
     )
-    config = AutoConfig.for_model("gemma4_text", **sizes, **layers)
+    config = AutoConfig.for_model("gemma4_text", **shape, **layers)
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(config).eval()
-    ids = random_prompt(120).clamp(min=3)  # no pad ids inside the prompt
-    call = dict(assistant_model=target, cache_implementation="budgeted", do_sample=False, max_new_tokens=8)
-    assert torch.equal(target.generate(ids, **call), target.generate(ids, do_sample=False, max_new_tokens=8))
-    mask = torch.ones(2, ids.shape[1], dtype=torch.long)
-    with pytest.raises(ValueError, match=r"is 'dummy' \(it reads another layer's keys/values: KV sharing\)"):
-        target.generate(ids.expand(2, -1), attention_mask=mask, **call)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    sizes = {
+        "sink_window": {"num_sink_tokens": 4, "window_length": 24},
+        "budgeted": {"budget": 32, "window_length": 8},
+    }
+    sparse = dict(assistant_model=target, cache_implementation=cache_name, cache_config=sizes[cache_name])
+    ids = torch.cat([random_prompt(160, seed=1), random_prompt(160, seed=2)]).clamp(
+        min=3
+    )  # no pad ids inside
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    for rows, extra in ((ids[:1], {}), (ids, dict(attention_mask=mask, prefill_chunk_size=64))):
+        call = dict(do_sample=False, max_new_tokens=16, **extra)
+        expected = target.generate(rows.masked_fill(mask[: len(rows)] == 0, 0), **call)
+        with record_speculation() as stats:
+            out = target.generate(rows.masked_fill(mask[: len(rows)] == 0, 0), **sparse, **call)
+        assert torch.equal(out, expected) and stats.rounds > 0
 
 
 # -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------

@@ -130,6 +130,22 @@ class RaggedFullLayer(RaggedLayer):
             setattr(self, name, new)
 
 
+class RaggedEmptyLayer(RaggedLayer):
+    """A layer that stores nothing: transformers' "dummy" cache layer, for one that reads an earlier layer's
+    keys/values (KV sharing: the model hands it that layer's states) or has no attention. Its queries are masked as
+    its attention type's (the model picks the mask by that type)."""
+
+    def __init__(self, owner: RaggedCache, layer_idx: int):
+        super().__init__(owner)
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.update(key_states, value_states)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(f"layer {self.layer_idx} stores no keys/values: it reads another layer's")
+
+
 class RaggedStep:
     """What one forward writes: a row's prefill (`row`, positions `[start, end)` of its prompt), or a step of every
     row at positions `(B, q)` (`end` = the keys the full layers return; `slots` `(B, q)` for slot layers; `spans`:
@@ -151,8 +167,9 @@ class RaggedCache(Cache):
     """A `Cache` of B rows at independent lengths, for a model of `config`.
 
     Every attention layer is a `RaggedFullLayer` (sliding layers keep their window, as a mask), unless
-    `make_full_layer` builds another layer for full-attention layers (the sparse draft caches do). Other layer
-    types (linear attention, convolutions, chunked attention) are refused.
+    `make_full_layer` builds another layer for full-attention layers (the sparse draft caches do); a layer that
+    reads another's keys/values (transformers' "dummy") is a `RaggedEmptyLayer`. Other layer types (linear
+    attention, convolutions, chunked attention) are refused.
 
     Use: `prefill_row(b, L_b)` before the `(1, L_b)` forward of row b's prompt (no mask: causal); then, before each
     batched forward, `step_mask(q)` (it also fixes where the forward writes) and the model's forward with that
@@ -172,14 +189,14 @@ class RaggedCache(Cache):
         self.num_rows = batch_size
         layers = []
         for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
-            if layer_type not in MASKED_LAYER_TYPES:
-                # transformers gives a layer that reads another layer's keys/values (KV sharing) a "dummy" cache
-                what = " (it reads another layer's keys/values: KV sharing)" if layer_type == "dummy" else ""
+            if layer_type not in (*MASKED_LAYER_TYPES, "dummy"):
                 raise ValueError(
-                    f"layer {idx} of {config.model_type!r} is {layer_type!r}{what}; batched speculative decoding runs "
+                    f"layer {idx} of {config.model_type!r} is {layer_type!r}; batched speculative decoding runs "
                     f"models whose layers are {MASKED_LAYER_TYPES}. Generate one sequence at a time with this model"
                 )
-            if layer_type == "full_attention" and make_full_layer is not None:
+            if layer_type == "dummy":
+                layers.append(RaggedEmptyLayer(self, idx))
+            elif layer_type == "full_attention" and make_full_layer is not None:
                 layers.append(make_full_layer(self, idx))
             else:
                 layers.append(RaggedFullLayer(self, kwargs.get("sliding_window")))
@@ -212,7 +229,7 @@ class RaggedCache(Cache):
             raise ValueError(
                 f"row {row} of this {self.num_rows}-row RaggedCache does not hold exactly {start} tokens to prefill on from"
             )
-        if start and not all(type(layer) is RaggedFullLayer for layer in self.layers):
+        if start and not all(type(layer) in (RaggedFullLayer, RaggedEmptyLayer) for layer in self.layers):
             raise ValueError(
                 "a row's prefill in chunks needs full KV layers (a sparse draft cache selects from the whole prompt)"
             )
@@ -255,7 +272,7 @@ class RaggedCache(Cache):
         query_pos = positions[:, :, None]  # (B, q, 1)
         key_pos = torch.arange(self.step.end, device=positions.device)[None, None, :]  # (1, 1, K)
         masks = {}
-        for layer_type in dict.fromkeys(self.layer_types):
+        for layer_type in dict.fromkeys(t for t in self.layer_types if t != "dummy"):
             layer = self.layers[self.layer_types.index(layer_type)]
             if isinstance(layer, RaggedFullLayer):
                 mask = key_pos <= query_pos
@@ -309,6 +326,8 @@ class RaggedCache(Cache):
         for idx, (layer, given) in enumerate(zip(self.layers, source.layers, strict=True)):
             if held == 0:
                 break
+            if type(layer) is RaggedEmptyLayer:
+                continue
             keys, values = (states.to(device) for states in self._held_states(idx, layer, given, held))
             if not layer.is_initialized:
                 layer.lazy_initialization(keys, values)
