@@ -359,11 +359,11 @@ def _windowed_assistant(stock, self, generation_config, input_ids, args, kwargs)
             f"{type(self).__name__}"
         )
     mask = kwargs.get("attention_mask")
-    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):
+    padded = mask is not None and not bool(mask.all())
+    if input_ids.shape[0] > 1 or padded:
         raise ValueError(
             f"a windowed Gemma 4 assistant drafts one unpadded sequence at a time (transformers' assistant loop "
-            f"does), got {input_ids.shape[0]} rows{'' if mask is None or bool(mask.all()) else ' with padding'}; "
-            "generate the rows one by one"
+            f"does), got {input_ids.shape[0]} rows{' with padding' if padded else ''}; generate the rows one by one"
         )
     return _every_token_stops(stock, self, input_ids, args, kwargs)
 
