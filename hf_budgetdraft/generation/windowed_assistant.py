@@ -49,13 +49,10 @@ def window_states(
     keys, values = states["full_attention"]
     length = min(length, keys.shape[2])
     if length > num_sink_tokens + window_length:
-        keep = torch.cat(
-            [
-                torch.arange(num_sink_tokens, device=keys.device),
-                torch.arange(length - window_length, length, device=keys.device),
-            ]
+        windowed["full_attention"] = tuple(
+            torch.cat([states[:, :, :num_sink_tokens], states[:, :, length - window_length : length]], dim=2)
+            for states in (keys, values)
         )
-        windowed["full_attention"] = (keys.index_select(2, keep), values.index_select(2, keep))
     return windowed
 
 
