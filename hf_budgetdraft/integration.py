@@ -73,6 +73,7 @@ from .generation.draft_length import for_mtp
 from .generation.draft_prefix import reusing_read_prompts
 from .generation.model_inputs import uncarried_inputs
 from .generation.mtp_heads import expose_mtp_layers
+from .generation.other_tokenizer import OtherTokenizerDraftGenerator
 from .generation.plan import DraftPlan, resolve_plan, verify_attention
 from .generation.prefilled import (
     check_target_cache,
@@ -102,28 +103,45 @@ def build_sparse_cache(name: str, config: PreTrainedConfig, cache_config: dict |
     return DraftSpec.from_cache_config(name, cache_config).build_cache(config)
 
 
-def _check_assistant(target, assistant_model, generation_config, assistant_tokenizer) -> None:
+def _check_assistant(
+    target, assistant_model, generation_config, assistant_tokenizer, rows: int | None = None
+) -> None:
     name = generation_config.cache_implementation
     if generation_config.prompt_lookup_num_tokens is not None or assistant_model is None:
         raise ValueError(
             f"cache_implementation={name!r} names the draft model's cache, but this call has no draft model "
             "(assistant_model=None); pass assistant_model=drafter"
         )
-    # `tokenizer=` alone is what `stop_strings` needs; with `assistant_tokenizer=` too, transformers runs universal
-    # assisted generation (a drafter with another tokenizer)
-    if assistant_tokenizer is not None:
-        raise ValueError(
-            f"cache_implementation={name!r} needs a drafter sharing the target's tokenizer; drop "
-            "assistant_tokenizer= (universal assisted generation is not supported with sparse draft caches)"
-        )
     _check_devices(target, assistant_model)
+    # `tokenizer=` alone is what `stop_strings` needs; with `assistant_tokenizer=` too, transformers runs universal
+    # assisted generation (a drafter with another tokenizer: `generation/other_tokenizer.py`)
+    if assistant_tokenizer is not None:
+        _check_other_tokenizer(generation_config, rows)
+        return
     # transformers itself refuses most mismatches first ("different tokenizers"); this also covers the rest
     target_vocab = target.config.get_text_config().vocab_size
     draft_vocab = assistant_model.config.get_text_config().vocab_size
     if target_vocab != draft_vocab:
         raise ValueError(
             f"drafter vocab_size={draft_vocab} differs from the target's vocab_size={target_vocab}; the drafter "
-            "must share the target's tokenizer and vocabulary"
+            "must share the target's tokenizer and vocabulary, or pass tokenizer= and assistant_tokenizer= (a "
+            "drafter with another tokenizer)"
+        )
+
+
+def _check_other_tokenizer(generation_config, rows: int | None) -> None:
+    """What a drafter with another tokenizer supports here: calls of one sequence."""
+    name = generation_config.cache_implementation
+    if rows is not None and rows > 1:
+        raise ValueError(
+            f"a drafter with another tokenizer (assistant_tokenizer=) drafts one sequence at a time (it translates "
+            f"each round through text), got {rows} rows; generate them one by one"
+        )
+    full = DraftSpec.from_cache_config(name, generation_config.cache_config).full_draft_cache
+    if full:
+        raise ValueError(
+            "full_draft_cache=True runs the batched loop, which drafts in the target's tokens; drop it with "
+            "assistant_tokenizer="
         )
 
 
@@ -245,17 +263,25 @@ def _get_candidate_generator(
         if plan is None:  # reached without generate(): resolve here (no attention switch)
             _check_assistant(self, assistant_model, generation_config, assistant_tokenizer)
             plan = _plan(self, assistant_model, generation_config)
-        draft_cache = plan.draft_cache(assistant_model)
-        generator = SparseDraftCandidateGenerator(
+        arguments = dict(
             input_ids=input_ids,
             assistant_model=assistant_model,
             generation_config=generation_config,
             model_kwargs=model_kwargs,
-            draft_cache=draft_cache,
+            draft_cache=plan.draft_cache(assistant_model),
             plan=plan,
             inputs_tensor=inputs_tensor,
             logits_processor=logits_processor,
         )
+        if assistant_tokenizer is None:
+            generator = SparseDraftCandidateGenerator(**arguments)
+        else:  # transformers refuses assistant_tokenizer= without tokenizer=
+            generator = OtherTokenizerDraftGenerator(
+                **arguments,
+                target_tokenizer=target_tokenizer,
+                assistant_tokenizer=assistant_tokenizer,
+                target_vocab_size=self.config.get_text_config().vocab_size,
+            )
     else:
         generator = stock_generator(
             assistant_model=assistant_model,
@@ -323,9 +349,12 @@ def _assisted_decoding(stock, self, *args, **kwargs):
         return _windowed_assistant(stock, self, generation_config, input_ids, args, kwargs)
     if builtin_draft:
         return _every_token_stops(stock, self, input_ids, args, kwargs)
-    _check_assistant(self, assistant_model, generation_config, kwargs.get("assistant_tokenizer"))
     rows = None if input_ids is None else input_ids.shape[0]
+    other_tokenizer = kwargs.get("assistant_tokenizer")
+    _check_assistant(self, assistant_model, generation_config, other_tokenizer, rows)
     loop_problem = unsupported_by_device_round(generation_config, kwargs, input_ids)
+    if other_tokenizer is not None:
+        loop_problem = "a drafter with another tokenizer, translated through text on the host every round"
     plan = _plan(self, assistant_model, generation_config, rows, loop_problem)
     stats = active_recorder()
     if stats is not None:

@@ -23,6 +23,7 @@ case "$package" in
       tests/generation/test_windowed_mtp.py tests/generation/test_prefilled.py tests/generation/test_inputs_embeds.py
       tests/generation/test_draft_prefix.py tests/generation/test_return_sequences.py
       tests/generation/test_multimodal_targets.py tests/generation/test_windowed_assistant.py
+      tests/generation/test_other_tokenizer.py
       tests/cache/test_cache_contract.py) ;;
   torch) tests=(tests/attention tests/test_generate_equivalence.py tests/test_family_matrix.py) ;;
   *) echo "$usage (got '$package')" >&2; exit 2 ;;
