@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from permuted_vocabulary import permuted_pair
 from transformers import AutoTokenizer
 
 from hf_budgetdraft.commands.generate import chat_ids
@@ -44,6 +45,11 @@ def hub_cache(tmp_path_factory) -> Path:
     other = AutoTokenizer.from_pretrained(DEMO_DIR / "tokenizer")
     other.add_tokens(["<not-in-the-target>"])
     _hub_snapshot(cache, "someone/foreign-drafter", DEMO_DIR / "base_drafter", other)
+    drafter = load_model(str(DEMO_DIR / "base_drafter"), LoadFlags())
+    folder = tmp_path_factory.mktemp("permuted")
+    permuted, permuted_tokenizer = permuted_pair(drafter, DEMO_DIR / "tokenizer", folder / "tokenizer")
+    permuted.save_pretrained(folder / "model")
+    _hub_snapshot(cache, "someone/other-tokenizer-drafter", folder / "model", permuted_tokenizer)
     return cache
 
 
@@ -117,13 +123,25 @@ def test_generate_takes_hub_ids_offline_a_dtype_and_stdin_and_streams(hub_cache)
     assert "target prefill" in out
 
 
-def test_generate_refuses_a_drafter_with_another_tokenizer(hub_cache):
+def test_generate_refuses_another_tokenizer_with_the_same_vocabulary_size(hub_cache):
     result = _cli(
         hub_cache,
         *("--target", "someone/long-target", "--drafter", "someone/foreign-drafter", "--prompt", "Hello"),
     )
     assert result.returncode != 0
-    assert "has another tokenizer than --target someone/long-target" in result.stderr
+    assert "has another tokenizer than --target someone/long-target but the same vocab_size" in result.stderr
+
+
+def test_generate_with_a_drafter_of_another_tokenizer(hub_cache):
+    """The drafter's own tokenizer comes with it: the call translates between the two, and the output is the
+    target's own; such a drafter drafts one sequence at a time."""
+    text = (DEMO_DIR / "king_john.txt").read_text(encoding="utf-8")[:6000]
+    pair = ("--target", "someone/long-target", "--drafter", "someone/other-tokenizer-drafter")
+    result = _cli(hub_cache, *pair, "--prompt_file", "-", "--max_new_tokens", "24", stdin=text)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in result.stdout
+    result = _cli(hub_cache, *pair, "--prompt", "Hello", "--batch_size", "2")
+    assert result.returncode != 0 and "one sequence at a time" in result.stderr
 
 
 def test_generate_with_a_hub_id_missing_from_the_cache_fails_offline(hub_cache):

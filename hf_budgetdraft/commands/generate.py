@@ -235,19 +235,31 @@ class GenerateArguments(LoadFlags, _DecodingFlags, _DraftFlags, _InputFlags):
 
 
 def _load_pair(args: GenerateArguments):
-    """`(target, drafter, tokenizer)` named by `--target` / `--drafter` (folders or hub ids), through the one loader;
-    a drafter that ships a tokenizer other than the target's is refused."""
+    """`(target, drafter, tokenizer, drafter's tokenizer or None)` named by `--target` / `--drafter` (folders or hub
+    ids), through the one loader; the drafter's tokenizer where it is not the target's (the calls then translate
+    between the two, as transformers' universal assisted generation does)."""
     tokenizer = load_tokenizer(args.target, args)
     try:
         draft_tokenizer = load_tokenizer(args.drafter, args)
     except (OSError, ValueError):  # a drafter saved without a tokenizer drafts in the target's
         draft_tokenizer = None
-    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+    target, drafter = load_model(args.target, args), load_model(args.drafter, args)
+    if draft_tokenizer is None or draft_tokenizer.get_vocab() == tokenizer.get_vocab():
+        return target, drafter, tokenizer, None
+    size = target.config.get_text_config().vocab_size
+    if drafter.config.get_text_config().vocab_size == size:
         raise ValueError(
-            f"--drafter {args.drafter} has another tokenizer than --target {args.target}: a drafter must share the "
-            "target's vocabulary (universal assisted generation is not supported with sparse draft caches)"
+            f"--drafter {args.drafter} has another tokenizer than --target {args.target} but the same vocab_size "
+            f"({size}): transformers takes such a pair for one tokenizer and compares its ids as the target's. Use a "
+            "drafter with the target's tokenizer, or one whose vocabulary size differs (a drafter with another "
+            "tokenizer, translated through text)"
         )
-    return load_model(args.target, args), load_model(args.drafter, args), tokenizer
+    if args.batch_size > 1 or args.num_return_sequences > 1 or args.prompt_files:
+        raise ValueError(
+            f"--drafter {args.drafter} has another tokenizer than --target {args.target}, and such a drafter drafts "
+            "one sequence at a time: drop --batch_size, --num_return_sequences and --prompt_files"
+        )
+    return target, drafter, tokenizer, draft_tokenizer
 
 
 def _prompt_text(args: GenerateArguments) -> str | None:
@@ -292,9 +304,12 @@ def chat_ids(tokenizer, text: str, system: str | None = None) -> torch.LongTenso
 
 def generate_command(args: GenerateArguments) -> int:
     torch.set_num_threads(args.threads)
-    target, drafter, tokenizer = _models(args)
+    target, drafter, tokenizer, draft_tokenizer = _models(args)
     if args.batch_size > 1 or args.num_return_sequences > 1:
         return _generate_batch(args, target, drafter, tokenizer)
+    translated = (
+        {} if draft_tokenizer is None else {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
+    )
     ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
     spec = args.draft_spec() if args.cache != "full" else None
     # a sparse cache: the spec decides the draft length; --cache full: stock assisted generation's fixed γ
@@ -309,20 +324,21 @@ def generate_command(args: GenerateArguments) -> int:
             sampling=args.sampling(),
             assistant_model=drafter,
             **_threshold(args),
+            **translated,
         )
-    runs = _generate_runs(args, target, drafter, ids, spec, tokenizer)
+    runs = _generate_runs(args, target, drafter, ids, spec, tokenizer, translated)
     return _report_generate(args, target, tokenizer, ids, *runs)
 
 
 def _models(args: GenerateArguments):
-    """`(target, drafter, tokenizer or None)` the flags name."""
+    """`(target, drafter, tokenizer or None, drafter's own tokenizer or None)` the flags name."""
     if args.random_models or args.demo_models:
         target, drafter, tokenizer = _bundled_pair(args)
         dtype = DTYPES.get(args.dtype)  # auto: as built (float32)
         device = "cpu" if args.device == "auto" else args.device
         for model in (target, drafter):
             model.to(device=device, dtype=dtype).set_attn_implementation(args.attn_implementation)
-        return target, drafter, tokenizer
+        return target, drafter, tokenizer, None
     return _load_pair(args)
 
 
@@ -337,10 +353,17 @@ def _bundled_pair(args: GenerateArguments):
 
 
 def _generate_runs(
-    args: GenerateArguments, target, drafter, ids: torch.LongTensor, spec: DraftSpec | None, tokenizer
+    args: GenerateArguments,
+    target,
+    drafter,
+    ids: torch.LongTensor,
+    spec: DraftSpec | None,
+    tokenizer,
+    translated: dict,
 ) -> list[RunResult]:
     """`[stock AR, fast AR, speculative]` runs of the same prompt; sampled runs are seeded alike. The speculative
-    run's text streams to stdout as it is produced (token ids without a tokenizer come in the summary)."""
+    run's text streams to stdout as it is produced (token ids without a tokenizer come in the summary);
+    `translated`: the two tokenizers of a drafter with its own."""
     length, sampling = args.max_new_tokens, args.sampling()
     ids = ids.to(target.device)
     runs = []
@@ -361,6 +384,7 @@ def _generate_runs(
             assistant_model=drafter,
             on_chunk=(lambda chunk, _: streamer.put(torch.tensor(chunk))) if streamer is not None else None,
             **_threshold(args),
+            **translated,
         )
     )
     if streamer is not None:

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("gradio", reason="the demo app needs the `app` extra: pip install 'hf-budgetdraft[app]'")
 
 from app_inputs import run_values as values  # noqa: E402
+from permuted_vocabulary import permuted_pair  # noqa: E402
 
 from hf_budgetdraft.app import AppArguments  # noqa: E402
 from hf_budgetdraft.app.app import (  # noqa: E402
@@ -32,6 +33,7 @@ from hf_budgetdraft.app.backend import (  # noqa: E402
     MODEL_SMOKE,
     MODEL_SMOKE_MTP,
     SOURCE_LABELS,
+    TOKENIZER_DIR,
     DemoInputError,
     IncrementalDecoder,
     ModelStore,
@@ -201,8 +203,9 @@ def test_the_bundled_pair_is_the_default_and_runs(store):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, store):
-    """A saved smoke pair with the bundled tokenizer, a drafter of another vocabulary, and a drafter whose own
-    tokenizer differs from the target's."""
+    """A saved smoke pair with the bundled tokenizer, a drafter of another vocabulary, a drafter whose own
+    tokenizer differs from the target's with the same vocabulary size, and the smoke drafter re-indexed under a
+    permuted, padded tokenizer of its own."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -217,6 +220,8 @@ def folders(tmp_path_factory, store):
     words = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(2048)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(root / "other_tokenizer")
+    permuted, permuted_tokenizer = permuted_pair(drafter, TOKENIZER_DIR, root / "permuted")
+    permuted.save_pretrained(root / "permuted")
     (root / "empty").mkdir()
     (root / "no_weights").mkdir()
     (root / "no_weights" / "config.json").write_text((root / "target" / "config.json").read_text())
@@ -241,6 +246,16 @@ def test_local_folders_run(store, folders):
     ].startswith("Done")
     status = message(store, model=MODEL_LOCAL, target_path=str(folders / "target"))
     assert "needs a drafter" in status and "enter a drafter folder" in status
+
+
+def test_a_drafter_with_a_tokenizer_of_its_own_runs(store, folders):
+    """The drafter folder's own tokenizer (another vocabulary size): the speculative call translates between the
+    two tokenizers, and its output is the target's own."""
+    paths = {"target_path": str(folders / "target"), "drafter_path": str(folders / "permuted")}
+    out = final(store, model=MODEL_LOCAL, **paths)
+    assert out["status"].startswith("Done"), out["status"]
+    assert out["raw"]["greedy_check"]["identical"]
+    assert store.get(MODEL_LOCAL, *paths.values(), "cpu", "auto").drafter_tokenizer is not None
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,20 @@
 """A drafter with another tokenizer (`tokenizer=` + `assistant_tokenizer=`, transformers' universal assisted
-generation) drafting on a sparse cache: greedy output is the target's own, and drafts are accepted.
+generation) drafting on a sparse cache: greedy output is the target's own, drafts are accepted, sampling keeps the
+target's distribution.
 
-The pair with real acceptance is the bundled target with the bundled drafter re-indexed: its tokenizer is the demo
-tokenizer with every id permuted (and 64 unused ids added, a padded vocabulary, which transformers requires to tell
-the two apart), its embedding rows permuted to match, so it drafts what the bundled drafter drafts, under other ids.
-A random drafter with a BPE trained here covers a tokenizer that cuts the text differently."""
+The pair with real acceptance is the bundled target with the bundled drafter re-indexed (`permuted_vocabulary.py`):
+it drafts what the bundled drafter drafts, under other ids. A random drafter with a BPE trained here covers a
+tokenizer that cuts the text differently; character vocabularies sharing some tokens cover sampling."""
 
 import copy
-import json
 
 import pytest
 import torch
+from permuted_vocabulary import permuted_pair
 from test_sampling import SAMPLES, chi_square, chi_square_quantile, warped
 from tiny_models import model_pair
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_budgetdraft  # noqa: F401  (registers the cache implementations)
 from hf_budgetdraft import record_speculation
@@ -35,27 +35,7 @@ def demo():
 @pytest.fixture(scope="module")
 def permuted(demo, tmp_path_factory):
     """`(drafter, tokenizer)`: the bundled drafter and tokenizer under permuted ids, in a vocabulary padded by 64."""
-    size = demo.target.config.vocab_size
-    order = torch.cat(
-        [torch.arange(2), 2 + torch.randperm(size - 2, generator=torch.Generator().manual_seed(0))]
-    )
-    spec = json.loads((DEMO_DIR / "tokenizer" / "tokenizer.json").read_text())
-    spec["model"]["vocab"] = {token: int(order[i]) for token, i in spec["model"]["vocab"].items()}
-    folder = tmp_path_factory.mktemp("permuted_tokenizer")
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
-    (folder / "tokenizer_config.json").write_text(
-        (DEMO_DIR / "tokenizer" / "tokenizer_config.json").read_text()
-    )
-    drafter = copy.deepcopy(demo.drafter)
-    drafter.resize_token_embeddings(size + 64, mean_resizing=False)
-    with torch.no_grad():
-        for table, source in (
-            (drafter.get_input_embeddings(), demo.drafter.get_input_embeddings()),
-            (drafter.get_output_embeddings(), demo.drafter.get_output_embeddings()),
-        ):
-            table.weight.zero_()
-            table.weight[order] = source.weight
-    return drafter, AutoTokenizer.from_pretrained(folder)
+    return permuted_pair(demo.drafter, DEMO_DIR / "tokenizer", tmp_path_factory.mktemp("permuted_tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,8 @@ def speculative_call(request: RunRequest, pair: ModelPair) -> tuple[dict, int]:
         return kwargs, pair.num_mtp_layers
     drafter = pair.drafter_for(request.sampling)
     kwargs = {"assistant_model": drafter}
+    if pair.drafter_tokenizer is not None:  # a drafter with its own tokenizer: transformers' translation
+        kwargs |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.drafter_tokenizer}
     if method in ("sink_window", "budgeted"):  # the request's spec alone decides the draft length
         configure_drafter(drafter, None)
         spec = draft_spec(request)

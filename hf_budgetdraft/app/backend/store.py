@@ -51,6 +51,8 @@ class ModelPair:
         random_weights (`bool`): random models (they check losslessness and the page, not speed or quality).
         sampling_drafter (`PreTrainedModel`, *optional*): a draft model trained for sampling calls (the bundled
             pair's); `None`: `drafter` drafts for both.
+        drafter_tokenizer (*optional*): the drafter's own tokenizer where it is not the target's (the speculative
+            calls translate between the two); `None`: the drafter reads the target's tokens.
     """
 
     key: str
@@ -61,6 +63,7 @@ class ModelPair:
     num_mtp_layers: int = 0
     random_weights: bool = False
     sampling_drafter: torch.nn.Module | None = None
+    drafter_tokenizer: object | None = None
 
     def drafter_for(self, sampling: bool) -> torch.nn.Module | None:
         """The drafter of a greedy or a sampling run."""
@@ -172,8 +175,9 @@ def _local_tokenizers(target_folder: Path, drafter_folder: Path | None) -> tuple
         ) from None
 
 
-def check_compatible(tokenizer, target, drafter, drafter_tokenizer=None) -> None:
-    """Refuse a drafter that does not share the target's tokenizer and vocabulary (`DemoInputError`).
+def check_compatible(tokenizer, target, drafter, drafter_tokenizer=None) -> bool:
+    """Refuse a drafter whose tokens the calls could not compare with the target's (`DemoInputError`); `True` for a
+    drafter with a tokenizer and vocabulary of its own, whose tokens the calls translate through text.
 
     Args:
         tokenizer: the target's tokenizer.
@@ -187,21 +191,25 @@ def check_compatible(tokenizer, target, drafter, drafter_tokenizer=None) -> None
             "the folder's tokenizer does not belong to its model"
         )
     if drafter is None:
-        return
+        return False
     draft_vocab = drafter.config.get_text_config().vocab_size
+    ours, theirs = tokenizer.get_vocab(), (drafter_tokenizer or tokenizer).get_vocab()
+    if ours != theirs and draft_vocab != target_vocab:
+        return True  # transformers' universal assisted generation, which tells the pair apart by vocab_size
     if draft_vocab != target_vocab:
         raise DemoInputError(
             f"incompatible models: the drafter's vocab_size={draft_vocab} differs from the target's {target_vocab}; "
-            "a drafter must share the target's tokenizer and vocabulary (speculative decoding compares token ids)"
+            "a drafter must share the target's tokenizer and vocabulary (speculative decoding compares token ids), "
+            "or come with its own tokenizer in its folder (its tokens are then translated through text)"
         )
-    if drafter_tokenizer is not None:
-        ours, theirs = tokenizer.get_vocab(), drafter_tokenizer.get_vocab()
-        if ours != theirs:
-            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
-            raise DemoInputError(
-                f"incompatible tokenizers: the drafter's tokenizer ({len(theirs)} tokens) differs from the target's "
-                f"({len(ours)} tokens), e.g. {differing}; a drafter must share the target's tokenizer"
-            )
+    if ours != theirs:
+        differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+        raise DemoInputError(
+            f"incompatible tokenizers: the drafter's tokenizer ({len(theirs)} tokens) differs from the target's "
+            f"({len(ours)} tokens), e.g. {differing}, with the same vocab_size: transformers takes such a pair for "
+            "one tokenizer. A drafter must share the target's tokenizer, or have a vocabulary of another size"
+        )
+    return False
 
 
 class ModelStore:
@@ -293,13 +301,14 @@ class ModelStore:
         tokenizer, drafter_tokenizer = _local_tokenizers(target_folder, drafter_folder)
         target = _load_model(target_folder, "target", flags)
         drafter = _load_model(drafter_folder, "drafter", flags) if drafter_folder is not None else None
-        check_compatible(tokenizer, target, drafter, drafter_tokenizer)
+        translated = check_compatible(tokenizer, target, drafter, drafter_tokenizer)
         mtp = _num_mtp_layers(target)
         if mtp:
             expose_mtp_layers(target)
         title = f"{target_path.strip()}" + (f" + {drafter_path.strip()}" if drafter_folder else "")
         title += f" ({flags.device}, {target.dtype})".replace("torch.", "")
-        return ModelPair(key, title, tokenizer, target, drafter, mtp, False)
+        own = drafter_tokenizer if translated else None
+        return ModelPair(key, title, tokenizer, target, drafter, mtp, False, drafter_tokenizer=own)
 
     def close(self) -> None:
         if self._tmp is not None:
