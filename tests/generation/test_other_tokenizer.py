@@ -7,6 +7,7 @@ it drafts what the bundled drafter drafts, under other ids. A random drafter wit
 tokenizer that cuts the text differently; character vocabularies sharing some tokens cover sampling."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hf_budgetdraft import record_speculation
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.models import DEMO_DIR
+from hf_budgetdraft.generation.other_tokenizer import OtherTokenizerDraftGenerator
 
 NEW_TOKENS = 48
 
@@ -107,6 +109,39 @@ def test_a_tokenizer_that_cuts_the_text_otherwise_is_lossless(demo, prompt, expe
         demo, drafter, tokenizer, short, cache_implementation="budgeted", max_new_tokens=16
     )
     assert torch.equal(out, demo.target.generate(short, max_new_tokens=16, do_sample=False))
+
+
+@pytest.mark.parametrize("metaspace_side", ["drafter", "target"])
+def test_drafts_come_back_to_the_target_as_their_text(demo, metaspace_side):
+    """The anchored translation of greedy drafts, between the byte-level demo tokenizer and a SentencePiece-style
+    one (a Metaspace BPE trained here, which drops the leading space when it decodes a sequence): at 100 cuts of the
+    play, the target's tokens of a prefix plus the candidates decode to that prefix's text plus the drafted text."""
+    text = DEMO_TEXT.read_text(encoding="utf-8")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    bpe.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    bpe.train_from_iterator([text[:80_000]], trainers.BpeTrainer(vocab_size=600, special_tokens=["<eos>"]))
+    metaspace = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    target, drafter = (
+        (demo.tokenizer, metaspace) if metaspace_side == "drafter" else (metaspace, demo.tokenizer)
+    )
+    generator = SimpleNamespace(
+        target_tokenizer=target, assistant_tokenizer=drafter, target_lookbehind=10, assistant_lookbehind=10,
+        main_model_max_length=10**6,
+    )  # fmt: skip
+    cuts = torch.randint(
+        1_000, len(text) - 1_000, (100,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    for start in cuts:
+        start = text.index(" ", start)  # a draft starts a word, as a drafter's next token would
+        prefix, drafted_text = text[start - 300 : start], text[start : start + 1 + start % 40]
+        ids = target(prefix, return_tensors="pt").input_ids
+        context = drafter(prefix, return_tensors="pt").input_ids
+        drafts = drafter(drafted_text, add_special_tokens=False, return_tensors="pt").input_ids
+        drafted = torch.cat([context, drafts], dim=-1)
+        candidates = OtherTokenizerDraftGenerator._continuation(generator, ids, drafted, context.shape[1])
+        assert candidates is not None and torch.equal(candidates[:, : ids.shape[1]], ids)
+        assert target.decode(candidates[0]) == target.decode(ids[0]) + drafted_text
 
 
 def test_a_rollback_past_what_the_draft_cache_can_undo_prefills_it_again(demo, permuted, prompt):
