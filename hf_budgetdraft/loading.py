@@ -98,6 +98,31 @@ def load_tokenizer(name: str, flags: LoadFlags) -> PreTrainedTokenizerBase:
     )
 
 
+def drafter_tokenizer(
+    drafter_name: str, flags: LoadFlags, target, drafter, tokenizer: PreTrainedTokenizerBase
+) -> PreTrainedTokenizerBase | None:
+    """The tokenizer stored with the drafter `drafter_name` where it is not the target's `tokenizer`: speculative
+    calls then pass both (`tokenizer=`, `assistant_tokenizer=`) and translate between them; `None` where the drafter
+    reads the target's tokens (its own tokenizer is the target's, or it was saved without one). A drafter with
+    another tokenizer but the target's vocabulary size is refused: transformers takes such a pair for one
+    tokenizer and would compare its ids as the target's."""
+    try:
+        own = load_tokenizer(drafter_name, flags)
+    except (OSError, ValueError):  # saved without a tokenizer: it drafts in the target's
+        return None
+    if own.get_vocab() == tokenizer.get_vocab():
+        return None
+    size = target.config.get_text_config().vocab_size
+    if drafter.config.get_text_config().vocab_size == size:
+        raise ValueError(
+            f"the drafter {drafter_name} has another tokenizer than the target but the same vocab_size ({size}): "
+            "transformers takes such a pair for one tokenizer and compares its ids as the target's. Use a drafter "
+            "with the target's tokenizer, or one whose vocabulary size differs (its tokens are then translated "
+            "through text)"
+        )
+    return own
+
+
 def _from_pretrained(auto_class, name: str, **kwargs):
     """`auto_class.from_pretrained(name, ...)`, its errors saying which name failed and where it was looked up."""
     try:

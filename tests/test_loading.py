@@ -129,7 +129,10 @@ def test_generate_refuses_another_tokenizer_with_the_same_vocabulary_size(hub_ca
         *("--target", "someone/long-target", "--drafter", "someone/foreign-drafter", "--prompt", "Hello"),
     )
     assert result.returncode != 0
-    assert "has another tokenizer than --target someone/long-target but the same vocab_size" in result.stderr
+    assert (
+        "someone/foreign-drafter has another tokenizer than the target but the same vocab_size"
+        in result.stderr
+    )
 
 
 def test_generate_with_a_drafter_of_another_tokenizer(hub_cache):
@@ -142,6 +145,31 @@ def test_generate_with_a_drafter_of_another_tokenizer(hub_cache):
     assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in result.stdout
     result = _cli(hub_cache, *pair, "--prompt", "Hello", "--batch_size", "2")
     assert result.returncode != 0 and "one sequence at a time" in result.stderr
+
+
+def test_bench_a_drafter_of_another_tokenizer(hub_cache, tmp_path):
+    """`bench --preset full` passes a drafter's own tokenizer with the target's to every drafter method, and its
+    greedy check (exit 1 on any differing token) passes; its batched grid refuses such a drafter."""
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    pair = ("--target", "someone/long-target", "--drafter", "someone/other-tokenizer-drafter")
+    grid = ("--contexts", "600", "--budgets", "128", "--gammas", "4", "--new_tokens", "12", "--samples", "1")
+    flags = (*grid, "--repeats", "1", "--methods", "oneliner", "native", "budgeted", "--tasks", "passkey")
+    quiet = ("--no_warmup", "--no_plots", "--no_progress", "--threads", "1")
+    command = [sys.executable, "-m", "hf_budgetdraft.cli", "bench", "--preset", "full", *pair, *flags, *quiet]
+    done = subprocess.run(
+        [*command, "--output-dir", str(tmp_path / "grid")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    records = json.loads((tmp_path / "grid" / "results.json").read_text())["records"]
+    assert {r["cache"] for r in records if r["method"] == "assisted"} == {"full", "budgeted"}  # native: full
+    assert all(r["diff_tokens"] == 0 for r in records) and len(records) >= 4
+    batched = [*command[:6], *pair, "--batch_sizes", "2", "--output-dir", str(tmp_path / "batched")]
+    done = subprocess.run(batched, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode != 0 and "drafts one sequence at a time" in done.stderr
 
 
 def test_generate_with_a_hub_id_missing_from_the_cache_fails_offline(hub_cache):

@@ -16,7 +16,7 @@ from ..cache.sizes import MAX_CACHE_TOKENS
 from ..demo.documents import DEMO_TEXT
 from ..demo.random_models import random_pair
 from ..generation.spec import DraftSpec
-from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
+from ..loading import DTYPES, LoadFlags, drafter_tokenizer, load_model, load_tokenizer
 from ..runs.timed_call import RunResult, ar_setup, configure_drafter, timed_generate
 from ..runs.token_diff import divergence_margin, tie_tolerance, token_diff
 
@@ -239,27 +239,14 @@ def _load_pair(args: GenerateArguments):
     ids), through the one loader; the drafter's tokenizer where it is not the target's (the calls then translate
     between the two, as transformers' universal assisted generation does)."""
     tokenizer = load_tokenizer(args.target, args)
-    try:
-        draft_tokenizer = load_tokenizer(args.drafter, args)
-    except (OSError, ValueError):  # a drafter saved without a tokenizer drafts in the target's
-        draft_tokenizer = None
     target, drafter = load_model(args.target, args), load_model(args.drafter, args)
-    if draft_tokenizer is None or draft_tokenizer.get_vocab() == tokenizer.get_vocab():
-        return target, drafter, tokenizer, None
-    size = target.config.get_text_config().vocab_size
-    if drafter.config.get_text_config().vocab_size == size:
-        raise ValueError(
-            f"--drafter {args.drafter} has another tokenizer than --target {args.target} but the same vocab_size "
-            f"({size}): transformers takes such a pair for one tokenizer and compares its ids as the target's. Use a "
-            "drafter with the target's tokenizer, or one whose vocabulary size differs (a drafter with another "
-            "tokenizer, translated through text)"
-        )
-    if args.batch_size > 1 or args.num_return_sequences > 1 or args.prompt_files:
+    own = drafter_tokenizer(args.drafter, args, target, drafter, tokenizer)
+    if own is not None and (args.batch_size > 1 or args.num_return_sequences > 1 or args.prompt_files):
         raise ValueError(
             f"--drafter {args.drafter} has another tokenizer than --target {args.target}, and such a drafter drafts "
             "one sequence at a time: drop --batch_size, --num_return_sequences and --prompt_files"
         )
-    return target, drafter, tokenizer, draft_tokenizer
+    return target, drafter, tokenizer, own
 
 
 def _prompt_text(args: GenerateArguments) -> str | None:

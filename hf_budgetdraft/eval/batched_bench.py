@@ -172,6 +172,11 @@ def batched_bench_command(args) -> int:
     torch.set_num_threads(args.threads)
     with quiet_transformers():
         models = load_models(args, mtp_dir=None)
+        if models.drafter_tokenizers:
+            raise ValueError(
+                f"--batch_sizes: the drafter(s) {sorted(models.drafter_tokenizers)} have a tokenizer other than the "
+                "target's, and such a drafter drafts one sequence at a time; bench them without --batch_sizes"
+            )
         documents, corpus = load_corpus(args)
         tokenizer = models.tokenizer
         if tokenizer is not None and documents:

@@ -10,7 +10,7 @@ import torch
 
 from ..attention.varlen import NAME as VARLEN_NAME
 from ..demo.corpus import Document, load_documents, load_hub_documents, stdlib_documents
-from ..loading import DTYPES, LoadFlags, load_model, load_tokenizer
+from ..loading import DTYPES, LoadFlags, drafter_tokenizer, load_model, load_tokenizer
 from .bench_args import MAX_GAMMA, BenchArguments
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
@@ -18,12 +18,14 @@ TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "demo" / "tokenizer"
 
 @dataclass
 class BenchModels:
-    """The models one bench compares: targets by name (`"target"`, `"mtp"`), drafters by name."""
+    """The models one bench compares: targets by name (`"target"`, `"mtp"`), drafters by name, and the tokenizers
+    of the drafters that bring their own (by drafter name: their calls translate between the two tokenizers)."""
 
     tokenizer: Any
     targets: dict[str, Any]
     drafters: dict[str, Any]
     description: dict[str, str] = field(default_factory=dict)
+    drafter_tokenizers: dict[str, Any] = field(default_factory=dict)
 
 
 def bundled_tokenizer():
@@ -79,16 +81,20 @@ def full_models(args: BenchArguments) -> BenchModels:
     from ..generation.mtp_heads import expose_mtp_layers
 
     flags = load_flags(args)
+    tokenizer = load_tokenizer(args.tokenizer or args.target, flags)
     targets = {"target": load_model(args.target, flags)}
-    drafters = {"drafter": load_model(args.drafter, flags)}
-    description = {"target": args.target, "drafter": args.drafter}
-    if args.base_drafter:
-        drafters["base_drafter"] = load_model(args.base_drafter, flags)
-        description["base_drafter"] = args.base_drafter
+    names = {"drafter": args.drafter} | ({"base_drafter": args.base_drafter} if args.base_drafter else {})
+    drafters = {name: load_model(path, flags) for name, path in names.items()}
+    own = {
+        name: drafter_tokenizer(path, flags, targets["target"], drafters[name], tokenizer)
+        for name, path in names.items()
+    }
+    description = {"target": args.target} | names
     if "mtp" in args.methods and args.mtp_model:
         targets["mtp"] = expose_mtp_layers(load_model(args.mtp_model, flags))
         description["mtp"] = args.mtp_model
-    return BenchModels(load_tokenizer(args.tokenizer or args.target, flags), targets, drafters, description)
+    translated = {name: tok for name, tok in own.items() if tok is not None}
+    return BenchModels(tokenizer, targets, drafters, description, translated)
 
 
 def load_flags(args: BenchArguments) -> LoadFlags:

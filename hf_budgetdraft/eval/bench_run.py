@@ -188,6 +188,8 @@ def _run_grid(
         policy_kwargs=args.policy_options,
         confidence_threshold=args.assistant_confidence_threshold,
         sampling=args.sampling,
+        tokenizer=models.tokenizer,
+        drafter_tokenizers=models.drafter_tokenizers,
     )
     with tqdm(total=total, desc="bench", unit="run", disable=not args.progress, file=sys.stderr) as bar:
         if args.warmup and cells:

@@ -192,18 +192,26 @@ def run_assisted(
     compiled: bool = False,
     confidence_threshold: float = 0.0,
     sampling: dict | None = None,
+    tokenizers: dict | None = None,
 ) -> RunResult:
     """Assisted generation: `cache_implementation=None` is stock transformers ("native", the drafter on its own
     full cache); `"sink_window"` / `"budgeted"` give the drafter a sparse cache (the target keeps a full one);
     `compiled` (with `cache_config["static"]`) compiles the drafter's one-token step; `confidence_threshold` > 0
     stops a round's draft early on an unlikely token (γ is then the maximum). `gamma=None` with a sparse cache:
-    the drafter's generation config is left alone and the call's `cache_config` (a `DraftSpec`) decides."""
+    the drafter's generation config is left alone and the call's `cache_config` (a `DraftSpec`) decides.
+    `tokenizers`: `{"tokenizer": ..., "assistant_tokenizer": ...}` for a drafter with a tokenizer of its own."""
     configure_drafter(drafter, gamma, compiled, confidence_threshold)
     spec = None
     if cache_implementation is not None:
         spec = DraftSpec.from_cache_config(cache_implementation, cache_config)
     return timed_generate(
-        target, input_ids, new_tokens, spec=spec, sampling=sampling, assistant_model=drafter
+        target,
+        input_ids,
+        new_tokens,
+        spec=spec,
+        sampling=sampling,
+        assistant_model=drafter,
+        **(tokenizers or {}),
     )
 
 
@@ -253,6 +261,8 @@ def run_method(
     policy_kwargs: dict | None = None,
     confidence_threshold: float = 0.0,
     sampling: dict | None = None,
+    tokenizer=None,
+    drafter_tokenizers: dict | None = None,
 ) -> RunResult:
     """Dispatch `spec` to its runner.
 
@@ -267,6 +277,8 @@ def run_method(
         policy_kwargs (`dict`, *optional*): per policy name, its hyper-parameters.
         confidence_threshold (`float`): drafters end a round early below this top-token probability (0: never).
         sampling (`dict`, *optional*): sample with these `generate()` settings (e.g. `{"temperature": 0.8}`).
+        tokenizer (*optional*): the target's tokenizer, passed with a drafter's own from `drafter_tokenizers`
+            (`dict[str, tokenizer]`, by drafter name).
     """
     if spec.target not in targets:
         raise ValueError(f"spec {spec.label!r} needs target model {spec.target!r}; have {sorted(targets)}")
@@ -299,4 +311,11 @@ def run_method(
         spec.compiled,
         confidence_threshold,
         sampling,
+        _tokenizers(spec.drafter, tokenizer, drafter_tokenizers),
     )
+
+
+def _tokenizers(drafter: str, tokenizer, drafter_tokenizers: dict | None) -> dict | None:
+    """The `generate()` tokenizers of a drafter with a tokenizer of its own (`None`: it reads the target's)."""
+    own = (drafter_tokenizers or {}).get(drafter)
+    return None if own is None else {"tokenizer": tokenizer, "assistant_tokenizer": own}
