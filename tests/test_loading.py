@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from permuted_vocabulary import permuted_pair
 from transformers import AutoTokenizer
 
 from hf_budgetdraft.commands.generate import chat_ids
 from hf_budgetdraft.demo.models import DEMO_DIR
+from hf_budgetdraft.demo.permuted_vocabulary import permuted_pair
 from hf_budgetdraft.loading import LoadFlags, check_device, load_model
 from hf_budgetdraft.runs.token_diff import tie_tolerance
 

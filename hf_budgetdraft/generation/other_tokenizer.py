@@ -2,12 +2,13 @@
 
 transformers' `AssistedCandidateGeneratorDifferentTokenizers` translates through text every round: the target's
 tokens since the last round (and `target_lookbehind` before them, so that a token the new text merges into is
-replaced) are decoded and re-read by the drafter's tokenizer, the drafter drafts, and its tokens come back the same
-way (`assistant_lookbehind`). `OtherTokenizerDraftGenerator` keeps that translation, transformers' own methods, and
-drafts through the call's draft steps on the sparse draft cache, which it rolls back to the longest prefix it shares
-with the re-read sequence. The target verifies the translated candidates as in any call, so greedy output is the
-target's own (Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for
-Heterogeneous Vocabularies", arXiv 2502.05202).
+replaced) are decoded and re-read by the drafter's tokenizer. `OtherTokenizerDraftGenerator` keeps that
+translation, transformers' own method, and drafts through the call's draft steps on the sparse draft cache, which
+it rolls back to the longest prefix it shares with the re-read sequence. Greedy drafts go back to the target as
+text tokenized after the target's own last tokens; sampled drafts token for token over the tokens both vocabularies
+hold, with their logits. The target verifies the candidates as in any call, so greedy output is the target's own
+and sampling keeps its distribution (Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding
+Algorithms for Heterogeneous Vocabularies", arXiv 2502.05202).
 """
 
 from __future__ import annotations

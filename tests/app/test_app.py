@@ -12,7 +12,6 @@ import torch
 pytest.importorskip("gradio", reason="the demo app needs the `app` extra: pip install 'hf-budgetdraft[app]'")
 
 from app_inputs import run_values as values  # noqa: E402
-from permuted_vocabulary import permuted_pair  # noqa: E402
 
 from hf_budgetdraft.app import AppArguments  # noqa: E402
 from hf_budgetdraft.app.app import (  # noqa: E402
@@ -45,6 +44,7 @@ from hf_budgetdraft.app.backend import (  # noqa: E402
     token_origins,
 )
 from hf_budgetdraft.app.render import acceptance_figure, verdict_markdown  # noqa: E402
+from hf_budgetdraft.demo.permuted_vocabulary import permuted_pair  # noqa: E402
 from hf_budgetdraft.demo.random_models import smoke_pair, tiny_llama_config  # noqa: E402
 from hf_budgetdraft.demo.tasks import TASKS  # noqa: E402
 

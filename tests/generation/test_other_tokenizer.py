@@ -2,7 +2,7 @@
 generation) drafting on a sparse cache: greedy output is the target's own, drafts are accepted, sampling keeps the
 target's distribution.
 
-The pair with real acceptance is the bundled target with the bundled drafter re-indexed (`permuted_vocabulary.py`):
+The pair with real acceptance is the bundled target with the bundled drafter re-indexed (`demo/permuted_vocabulary.py`):
 it drafts what the bundled drafter drafts, under other ids. A random drafter with a BPE trained here covers a
 tokenizer that cuts the text differently; character vocabularies sharing some tokens cover sampling."""
 
@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from permuted_vocabulary import permuted_pair
 from test_sampling import SAMPLES, chi_square, chi_square_quantile, warped
 from tiny_models import model_pair
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -22,6 +21,7 @@ from hf_budgetdraft import record_speculation
 from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.demo.models import DEMO_DIR
+from hf_budgetdraft.demo.permuted_vocabulary import permuted_pair
 from hf_budgetdraft.generation.other_tokenizer import OtherTokenizerDraftGenerator
 
 NEW_TOKENS = 48
