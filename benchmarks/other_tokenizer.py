@@ -80,7 +80,7 @@ def cell(target, ids, rows_of: dict, repeats: int, new_tokens: int, seed: int) -
     rows = []
     for name, done in runs.items():
         if name in failures:
-            rows.append({"row": name, "failed": failures[name]})
+            rows.append({"row": name, "failed": failures[name], "identical": None})
             continue
         decode = statistics.median(r.decode_tokens_per_second for r in done)
         per_round = [r.stats.mean_accepted_length for r in done if r.stats.rounds]
@@ -130,7 +130,7 @@ def table(result: dict) -> str:
         "# A drafter with another tokenizer on a sparse draft cache",
         "",
         f"{run_text(meta)}, {meta['threads']} threads; the bundled target and BudgetDraft drafters, each also "
-        f"re-indexed under a permuted, padded tokenizer; passages of {meta['passages']} x `context` tokens from the "
+        f"re-indexed under a permuted, padded tokenizer; {meta['passages']} passages of `context` tokens from the "
         f"end of the held-out play, {meta['new_tokens']} new tokens, float32, greedy and sampling (T 0.8), median of "
         f"{meta['repeats']} interleaved repeats. `python benchmarks/other_tokenizer.py`.",
         "",
