@@ -101,22 +101,39 @@ def load_tokenizer(name: str, flags: LoadFlags) -> PreTrainedTokenizerBase:
 def drafter_tokenizer(
     drafter_name: str, flags: LoadFlags, target, drafter, tokenizer: PreTrainedTokenizerBase
 ) -> PreTrainedTokenizerBase | None:
-    """The tokenizer stored with the drafter `drafter_name` where it is not the target's `tokenizer`: speculative
-    calls then pass both (`tokenizer=`, `assistant_tokenizer=`) and translate between them; `None` where the drafter
-    reads the target's tokens (its own tokenizer is the target's, or it was saved without one). A drafter with
-    another tokenizer but the target's vocabulary size is refused: transformers takes such a pair for one
-    tokenizer and would compare its ids as the target's."""
+    """The tokenizer stored with the drafter `drafter_name` where speculative calls must translate between it and
+    the target's `tokenizer` (`translated_tokenizer`); `None` where the drafter reads the target's tokens (it was
+    saved without a tokenizer, or with the target's)."""
     try:
         own = load_tokenizer(drafter_name, flags)
     except (OSError, ValueError):  # saved without a tokenizer: it drafts in the target's
         return None
-    if own.get_vocab() == tokenizer.get_vocab():
+    return translated_tokenizer(own, tokenizer, target, drafter, drafter_name)
+
+
+def translated_tokenizer(
+    own: PreTrainedTokenizerBase | None,
+    tokenizer: PreTrainedTokenizerBase,
+    target,
+    drafter,
+    drafter_name: str,
+) -> PreTrainedTokenizerBase | None:
+    """`own`, the drafter's tokenizer, where it is not the target's `tokenizer`: speculative calls then pass both
+    (`tokenizer=`, `assistant_tokenizer=`) and translate between them; `None` where there is nothing to translate.
+    A drafter with another tokenizer but the target's vocabulary size is refused: transformers takes such a pair for
+    one tokenizer and would compare its ids as the target's."""
+    if own is None:
+        return None
+    ours, theirs = tokenizer.get_vocab(), own.get_vocab()
+    if ours == theirs:
         return None
     size = target.config.get_text_config().vocab_size
     if drafter.config.get_text_config().vocab_size == size:
+        differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
         raise ValueError(
-            f"the drafter {drafter_name} has another tokenizer than the target but the same vocab_size ({size}): "
-            "transformers takes such a pair for one tokenizer and compares its ids as the target's. Use a drafter "
+            f"incompatible tokenizers: the drafter {drafter_name} has another tokenizer than the target but the "
+            f"same vocab_size ({size}; {len(theirs)} against {len(ours)} tokens, e.g. {differing}): transformers "
+            "takes such a pair for one tokenizer and compares its ids as the target's. Use a drafter "
             "with the target's tokenizer, or one whose vocabulary size differs (its tokens are then translated "
             "through text)"
         )

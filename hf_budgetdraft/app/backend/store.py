@@ -19,7 +19,7 @@ from ...demo.documents import demo_documents
 from ...demo.models import DEMO_DIR
 from ...demo.random_models import smoke_mtp_model, smoke_pair
 from ...generation.mtp_heads import expose_mtp_layers
-from ...loading import LoadFlags, load_model
+from ...loading import LoadFlags, load_model, translated_tokenizer
 from ...quiet import quiet_transformers
 from ..arguments import AppArguments
 from .request import (
@@ -192,24 +192,18 @@ def check_compatible(tokenizer, target, drafter, drafter_tokenizer=None) -> bool
         )
     if drafter is None:
         return False
+    try:
+        translated = translated_tokenizer(drafter_tokenizer, tokenizer, target, drafter, "folder") is not None
+    except ValueError as error:
+        raise DemoInputError(str(error)) from None
     draft_vocab = drafter.config.get_text_config().vocab_size
-    ours, theirs = tokenizer.get_vocab(), (drafter_tokenizer or tokenizer).get_vocab()
-    if ours != theirs and draft_vocab != target_vocab:
-        return True  # transformers' universal assisted generation, which tells the pair apart by vocab_size
-    if draft_vocab != target_vocab:
+    if not translated and draft_vocab != target_vocab:
         raise DemoInputError(
             f"incompatible models: the drafter's vocab_size={draft_vocab} differs from the target's {target_vocab}; "
             "a drafter must share the target's tokenizer and vocabulary (speculative decoding compares token ids), "
             "or come with its own tokenizer in its folder (its tokens are then translated through text)"
         )
-    if ours != theirs:
-        differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
-        raise DemoInputError(
-            f"incompatible tokenizers: the drafter's tokenizer ({len(theirs)} tokens) differs from the target's "
-            f"({len(ours)} tokens), e.g. {differing}, with the same vocab_size: transformers takes such a pair for "
-            "one tokenizer. A drafter must share the target's tokenizer, or have a vocabulary of another size"
-        )
-    return False
+    return translated
 
 
 class ModelStore:
