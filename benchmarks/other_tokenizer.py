@@ -83,14 +83,15 @@ def cell(target, ids, rows_of: dict, repeats: int, new_tokens: int, seed: int) -
             rows.append({"row": name, "failed": failures[name], "identical": None})
             continue
         decode = statistics.median(r.decode_tokens_per_second for r in done)
+        seconds = statistics.median(r.seconds for r in done)
         per_round = [r.stats.mean_accepted_length for r in done if r.stats.rounds]
         rows.append(
             {
                 "row": name,
                 "decode_tokens_per_second": decode,
-                "seconds": statistics.median(r.seconds for r in done),
+                "seconds": seconds,
                 "decode_speedup": decode / ar_decode,
-                "end_to_end_speedup": ar_seconds / statistics.median(r.seconds for r in done),
+                "end_to_end_speedup": ar_seconds / seconds,
                 "tokens_per_round": statistics.median(per_round) if per_round else None,
                 "identical": all(torch.equal(r.new_ids, reference) for r in done) if greedy else None,
                 "failed": None,
