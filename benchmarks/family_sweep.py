@@ -1,12 +1,14 @@
-"""Which of the installed transformers' causal-LM families draft on a sparse cache: a sweep over its registry.
+"""Which of the installed transformers' language-model families draft on a sparse cache: a sweep over its registry.
 
-    python benchmarks/family_sweep.py                       # every family: about 35 minutes on one core
-    python benchmarks/family_sweep.py --families llama nanochat --out /tmp/sweep
+    python benchmarks/family_sweep.py                       # every family: about 50 minutes on one core
+    python benchmarks/family_sweep.py --families llama qwen2_5_vl --out /tmp/sweep
 
-Each family (a `model_type` of transformers' causal-LM auto mapping) runs in a process of its own, memory-capped
-and timed out, built small from its config class with shared sizes (hidden 64, 2 layers, 4 heads, a vocabulary of
-128, small experts; a few families more layers), random weights, nothing downloaded; the drafter is a copy of the
-target, so rounds are accepted in part and rolled back. The target's own greedy output
+Each family (a `model_type` of transformers' causal-LM or image-text-to-text auto mapping) runs in a process of its
+own, memory-capped and timed out, built small from its config class with shared sizes (hidden 64, 2 layers, 4 heads,
+a vocabulary of 128, small experts; a few families more layers), random weights, nothing downloaded; a multimodal
+family (LLaVA, Qwen2.5-VL, Gemma 3, ...) keeps its own wrapper and its vision or audio tower at a token size and is
+given a text prompt (an image in the prompt is `tests/generation/test_multimodal_targets.py`'s). The drafter is a
+copy of the target, so rounds are accepted in part and rolled back. The target's own greedy output
 (16 tokens after a 150-token prompt) is compared with stock assisted generation and with the one-liner on both
 draft caches. A family is
 
@@ -105,6 +107,27 @@ FAMILY_SIZES = {
         "sliding_window": 32,
     },
 }
+# a multimodal family's other towers (vision, audio, ...): small, so that only the text model's cost counts
+TOWER_SIZES = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    image_size=32,
+    patch_size=8,
+    depth=1,
+    embed_dim=32,
+    num_heads=2,
+    out_hidden_size=64,
+    projection_dim=32,
+    vision_output_dim=32,
+    num_global_layers=1,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    vocab_size=128,
+)
 CACHES = {
     "budgeted": {"budget": 32, "window_length": 8},
     "sink_window": {"num_sink_tokens": 4, "window_length": 24},
@@ -119,20 +142,89 @@ def _build(model_type: str):
     import copy
 
     import torch
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config_class = CONFIG_MAPPING[model_type]
-    sizes = {**SIZES, **FAMILY_SIZES.get(model_type, {})}
-    config = AutoConfig.for_model(
-        model_type, **{k: v for k, v in sizes.items() if _settable(config_class, k)}
-    )
+    config = _config(model_type)
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config).eval()
+    causal = registered_families()[model_type] == "causal"
+    auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+    target = auto.from_config(config).eval()
     if sum(p.numel() for p in target.parameters()) > MAX_PARAMETERS:
         raise ValueError(f"more than {MAX_PARAMETERS:,} parameters at the shared sizes")
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(3.0)  # a clear argmax: greedy outputs comparable
     return target, copy.deepcopy(target)
+
+
+def registered_families() -> dict[str, str]:
+    """Every model type transformers registers as a causal LM or an image-text-to-text model -> which of the two
+    (a family in both counts as a causal LM: `AutoModelForCausalLM` builds it)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    return {
+        **{name: "image-text-to-text" for name in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES},
+        **{name: "causal" for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES},
+    }
+
+
+def _config(model_type: str):
+    """`model_type`'s config at the shared sizes. A multimodal one (a vision, audio or other tower beside its text
+    model) keeps its own defaults, its text model at the shared sizes and its other towers at `TOWER_SIZES`."""
+    from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig
+
+    config_class = CONFIG_MAPPING[model_type]
+    sizes = {**SIZES, **FAMILY_SIZES.get(model_type, {})}
+    default = config_class() if getattr(config_class, "sub_configs", None) else None
+    towers = {
+        name: tower
+        for name in getattr(config_class, "sub_configs", {})
+        if isinstance(tower := getattr(default, name, None), PreTrainedConfig)
+    }
+    # a text model beside vision or audio towers (not the parts of one model: MPT's attention, BLT's patcher)
+    if not any(name == "text_config" or name.startswith(("vision", "audio_config")) for name in towers):
+        return AutoConfig.for_model(
+            model_type, **{k: v for k, v in sizes.items() if _settable(config_class, k)}
+        )
+    resized = {}
+    for name, tower in towers.items():
+        tower_sizes = TOWER_SIZES
+        if name == "text_config":
+            tower_sizes = {**SIZES, **FAMILY_SIZES.get(tower.model_type, FAMILY_SIZES.get(model_type, {}))}
+        resized[name] = _resized(tower, tower_sizes).to_dict()
+    config = config_class.from_dict({**default.to_dict(), **resized})
+    return config if "text_config" in towers else _resized(config, sizes)  # else its text model is the config
+
+
+def _resized(config, sizes: dict):
+    """`config` with `sizes` where its class takes them; per-layer lists and maps cut to the new depth (a pattern
+    its class derives from the depth is dropped and derived again), multimodal rotary sections rescaled."""
+    values = config.to_dict()
+    layers = values.get("num_hidden_layers")
+    values.update({k: v for k, v in sizes.items() if _settable(type(config), k)})
+    depth = values.get("num_hidden_layers")
+    for key, value in list(values.items()):
+        if key in sizes or layers is None or depth == layers:
+            continue
+        if key == "layer_types" and isinstance(value, list):
+            values.pop(key)
+        elif isinstance(value, list) and len(value) == layers:
+            values[key] = value[:depth]
+        elif key == "per_layer_config" and isinstance(value, dict):
+            values[key] = {k: v for k, v in value.items() if int(k) < depth}
+    rope = values.get("rope_parameters")
+    if isinstance(rope, dict) and (
+        "mrope_section" in rope
+        or "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())
+    ):
+        section = rope.get("mrope_section", [16, 24, 24])  # the default of the models that leave it out
+        rotary = int(values.get("head_dim", 16) * rope.get("partial_rotary_factor", 1.0)) // 2
+        scaled = [max(1, part * rotary // sum(section)) for part in section]
+        scaled[0] += rotary - sum(scaled)
+        values["rope_parameters"] = {**rope, "mrope_section": scaled}
+    return type(config).from_dict(values)
 
 
 def _settable(config_class: type, name: str) -> bool:
@@ -159,7 +251,7 @@ def sweep_one(model_type: str) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    row = {"family": model_type}
+    row = {"family": model_type, "kind": registered_families()[model_type]}
     try:
         target, drafter = _build(model_type)
         ids = torch.randint(3, 120, (1, PROMPT), generator=torch.Generator().manual_seed(1))
@@ -202,6 +294,7 @@ def _limited() -> None:
 
 def run_isolated(model_type: str) -> dict:
     """`sweep_one(model_type)` in a fresh, memory-capped process (a family may allocate without bound)."""
+    kind = registered_families()[model_type]
     try:
         done = subprocess.run(
             [sys.executable, __file__, "--one", model_type],
@@ -211,18 +304,24 @@ def run_isolated(model_type: str) -> dict:
             preexec_fn=_limited,
         )
     except subprocess.TimeoutExpired:
-        return {"family": model_type, "built": f"timed out after {SECONDS} s"}
+        return {"family": model_type, "kind": kind, "built": f"timed out after {SECONDS} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        return {"family": model_type, "built": f"process ended with {done.returncode}: {done.stderr[-160:]}"}
+        return {
+            "family": model_type,
+            "kind": kind,
+            "built": f"process ended with {done.returncode}: {done.stderr[-160:]}",
+        }
     return json.loads(lines[-1])
 
 
 def table(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
     counts = Counter(verdict(row) for row in rows)
+    multimodal = sum(row.get("kind") == "image-text-to-text" for row in rows)
     lines = [
-        f"# Family sweep: transformers {meta['transformers']}, {len(rows)} causal-LM families",
+        f"# Family sweep: transformers {meta['transformers']}, {len(rows) - multimodal} causal-LM and {multimodal} "
+        "image-text-to-text families",
         "",
         f"commit {meta['commit']}, torch {meta['torch']}, {meta['date']}; `python benchmarks/family_sweep.py` "
         "(random weights at shared small sizes; a tool to find gaps, the family matrix in tests/ is the contract).",
@@ -240,7 +339,8 @@ def table(result: dict) -> str:
         else:
             cells = [f"not built: {row['built'][:80]}", "", ""]
         cells = [c.replace("|", "/").replace("\n", " ") for c in cells]
-        lines.append(f"| {row['family']} | {verdict(row)} | " + " | ".join(cells) + " |")
+        family = row["family"] + (" (image-text-to-text)" if row.get("kind") == "image-text-to-text" else "")
+        lines.append(f"| {family} | {verdict(row)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -248,19 +348,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--families", nargs="+", default=None, help="model types (default: every causal LM)")
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        help="model types (default: every causal and image-text-to-text LM)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "family_sweep")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child process's own family
     args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(sweep_one(args.one)), flush=True)
         return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    families = args.families or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    unknown = sorted(set(families) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    registered = registered_families()
+    families = args.families or sorted(registered)
+    unknown = sorted(set(families) - set(registered))
     if unknown:
-        parser.error(f"not causal-LM model types of this transformers: {unknown}")
+        parser.error(f"not causal-LM or image-text-to-text model types of this transformers: {unknown}")
     rows = []
     for family in families:
         rows.append(run_isolated(family))

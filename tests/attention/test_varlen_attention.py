@@ -387,6 +387,27 @@ def test_mask_function_materialises_static_steps_only():
     assert mask is not None and mask.shape == (1, 1, 1, 10)  # same type and shape at every static decode step
 
 
+@pytest.mark.parametrize("q_offset", [150, torch.tensor(150)])
+@pytest.mark.parametrize("q_length", [1, 4])
+def test_a_static_step_keeps_a_per_position_overlay_in_range(q_offset, q_length):
+    """A static layer's step reports its 72 slots as the keys (offset 0) while its queries sit at position 150; a
+    mask function reading per-position ids padded to the keys (Gemma 4's vision blocks) stays in range. Where the
+    queries end with the keys, the mask is transformers' own."""
+    from transformers.masking_utils import blockwise_overlay, causal_mask_function, or_masks, sdpa_mask
+
+    kwargs = dict(batch_size=1, kv_offset=0, dtype=torch.float32, device=torch.device("cpu"))
+    blocks = torch.full((1, 72), -1)
+    blocks[0, 10:20] = 0  # one image block
+    function = or_masks(causal_mask_function, blockwise_overlay(blocks))
+    mask = varlen.budgetdraft_varlen_mask(
+        q_length=q_length, kv_length=72, q_offset=q_offset, mask_function=function, **kwargs
+    )
+    assert mask.shape == (1, 1, q_length, 72)
+    consistent = dict(q_length=q_length, kv_length=72, q_offset=72 - q_length, mask_function=function)
+    expected = sdpa_mask(**consistent, allow_is_causal_skip=False, **kwargs)
+    assert torch.equal(varlen.budgetdraft_varlen_mask(**consistent, **kwargs), expected)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # attn_implementation="budgetdraft_varlen" in models
 # ---------------------------------------------------------------------------------------------------------------

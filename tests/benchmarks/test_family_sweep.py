@@ -9,12 +9,25 @@ from repo_paths import load_benchmark
 sweep = load_benchmark("family_sweep")
 
 
-def test_two_families_each_in_a_process(tmp_path):
-    sweep.main(["--families", "llama", "nanochat", "--out", str(tmp_path / "fs")])
+def test_three_families_each_in_a_process(tmp_path):
+    sweep.main(["--families", "llama", "nanochat", "llava", "--out", str(tmp_path / "fs")])
     result = json.loads((tmp_path / "fs.json").read_text())
-    assert [row["family"] for row in result["rows"]] == ["llama", "nanochat"]
+    assert [row["family"] for row in result["rows"]] == ["llama", "nanochat", "llava"]
+    assert [row["kind"] for row in result["rows"]] == ["causal", "causal", "image-text-to-text"]
     assert all(sweep.verdict(row) == "identical" and row["stock"] == "identical" for row in result["rows"])
-    assert "| nanochat | identical |" in (tmp_path / "fs.md").read_text()
+    table = (tmp_path / "fs.md").read_text()
+    assert "2 causal-LM and 1 image-text-to-text families" in table
+    assert "| nanochat | identical |" in table and "| llava (image-text-to-text) | identical |" in table
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "gemma3"])
+def test_a_multimodal_family_is_built_small(family):
+    """Its text model at the shared sizes, its vision tower at a token size (Qwen2.5-VL's rotary sections rescaled to
+    the small heads, Gemma 3's layer pattern derived again for two layers)."""
+    config = sweep._config(family)
+    assert config.get_text_config().hidden_size == sweep.SIZES["hidden_size"]
+    assert config.get_text_config().num_hidden_layers == sweep.SIZES["num_hidden_layers"]
+    assert config.vision_config.num_hidden_layers == 1 or getattr(config.vision_config, "depth", None) == 1
 
 
 def test_verdicts():

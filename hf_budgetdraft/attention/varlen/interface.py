@@ -64,6 +64,12 @@ def budgetdraft_varlen_mask(
     static_step = isinstance(q_offset, torch.Tensor) and q_length == 1
     if isinstance(q_offset, torch.Tensor) and q_length > 1 and not torch.compiler.is_compiling():
         q_offset = int(q_offset)  # a prefill/block of a static cache: let a plain causal block skip its mask
+    # A static layer's step reports its slots as the keys (offset 0) while its queries keep their positions, past
+    # them; it reads the slot mask it hands over, not this one. Placing its queries last keeps a mask function that
+    # indexes per-position ids (Gemma 4's vision blocks, padded to the keys) in range. Every other layer's queries
+    # end where its keys end, or before: for them this changes nothing.
+    last = kv_offset + kv_length - q_length
+    q_offset = torch.clamp(q_offset, max=last) if isinstance(q_offset, torch.Tensor) else min(q_offset, last)
     return budgetdraft_sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
