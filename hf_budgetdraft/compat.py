@@ -40,6 +40,12 @@ _RECURRENT_STATES_TO_KEEP = (
 
 # the generate() steps the integration wraps, and the parameters it reads or passes by name
 _GENERATION_STEPS = {
+    "_maybe_prepare_encoder_kwargs_for_generation": (
+        "inputs_tensor",
+        "model_kwargs",
+        "model_input_name",
+        "generation_config",
+    ),
     "_assisted_decoding": ("input_ids", "generation_config", "assistant_model"),
     "_get_candidate_generator": (
         "generation_config",

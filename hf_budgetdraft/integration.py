@@ -1,7 +1,7 @@
 """The one place that hooks into transformers' `generate()` (the releases it supports: `compat.py`).
 
 `install()` (run by `import hf_budgetdraft`, idempotent) makes `cache_implementation="sink_window"` and
-`"budgeted"` valid and wraps six `GenerationMixin` steps:
+`"budgeted"` valid and wraps seven `GenerationMixin` steps:
 
 - `_assisted_decoding`: a sparse-draft call resolves its `DraftSpec` (built from `cache_implementation` +
   `cache_config`) into a `DraftPlan` and runs inside it: the drafter on `budgetdraft_varlen` when its cache is
@@ -29,6 +29,8 @@
   copy and prefills each distinct prompt once.
 - `_sample`: that lossy mode with a left-padded batch runs the ragged loop of `generation/batched_loop.py` with no
   draft, so each row's sink / selection is of its own tokens, not of the padding.
+- `_maybe_prepare_encoder_kwargs_for_generation`: in a sparse-draft call, the raw images and videos the target
+  encodes are kept for a multimodal drafter to encode with its own towers (`generation/drafter_media.py`).
 
 `install()` also registers `attn_implementation="budgetdraft_sdpa"`, `"budgetdraft_varlen"` (varlen kernels on
 GPU; the attention a `cache_config={"static": True}` draft cache needs) and the query-capture attentions.
@@ -63,6 +65,7 @@ from .cache.sizes import MAX_CACHE_TOKENS
 from .compat import CACHE_KWARG, TESTED, installed_is_tested, patch_point_problems, refusal
 from .cpu import few_row_linears
 from .cpu.few_row_linear import uninstall as uninstall_few_row_linears
+from .generation import drafter_media
 from .generation.batched_loop import run_batched, run_sparse_batch
 from .generation.cache_config import WindowedSpec
 from .generation.candidate_generator import SparseDraftCandidateGenerator
@@ -317,6 +320,13 @@ def _assisted_decoding(stock, self, *args, **kwargs):
     """Sparse-draft calls run inside their `DraftPlan`, scoped to this call (the models are not written to). A batch of
     more than one row, or a call drafting on a full cache (`cache_config={"full_draft_cache": True}`), runs the batched
     loop (`generation/batched_loop.py`)."""
+    try:
+        return _assisted(stock, self, *args, **kwargs)
+    finally:
+        drafter_media.forget()  # the call's images, kept for its drafter's prefill
+
+
+def _assisted(stock, self, *args, **kwargs):
     generation_config = kwargs.get("generation_config")
     assistant_model = kwargs.get("assistant_model")
     input_ids = args[0] if args else kwargs.get("input_ids")
@@ -488,9 +498,23 @@ def prepare_inputs_for_generation(stock, self, input_ids, *args, **kwargs):
     return stock(self, input_ids, *args, **kwargs)
 
 
+def _maybe_prepare_encoder_kwargs_for_generation(
+    stock, self, inputs_tensor, model_kwargs, model_input_name, generation_config
+):
+    """transformers' own (the target encodes the prompt's images); a sparse-draft call keeps the raw inputs it
+    encoded, for a multimodal drafter to encode with its own towers (`generation/drafter_media.py`)."""
+    if generation_config.cache_implementation not in SPARSE_CACHE_IMPLEMENTATIONS:
+        return stock(self, inputs_tensor, model_kwargs, model_input_name, generation_config)
+    before = dict(model_kwargs)
+    model_kwargs = stock(self, inputs_tensor, model_kwargs, model_input_name, generation_config)
+    drafter_media.keep(before, model_kwargs)
+    return model_kwargs
+
+
 def _sample(stock, self, *args, **kwargs):
     """Greedy/sampling on a sparse cache without a draft (lossy): a left-padded batch runs the ragged loop, so each
     row keeps its own sink + window or selection of its own tokens (not of the padding)."""
+    drafter_media.forget()  # nothing drafts
     generation_config = kwargs.get("generation_config")
     input_ids = args[0] if args else kwargs.get("input_ids")
     mask = kwargs.get("attention_mask")
@@ -557,6 +581,7 @@ def _refusing_generate(message: str):
 
 
 STEPS = (
+    _maybe_prepare_encoder_kwargs_for_generation,
     _get_candidate_generator,
     _prepare_cache_for_generation,
     _assisted_decoding,

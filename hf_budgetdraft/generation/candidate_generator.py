@@ -7,7 +7,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 from ..cache import SparseDraftCache
 from ..compat import CACHE_KWARG, activate_past_recording, prepare_draft_inputs
-from . import draft_length
+from . import draft_length, drafter_media
 from .compiled_step import record_eager_steps
 from .draft_length import RoundClock
 from .draft_steps import DraftSteps
@@ -48,12 +48,18 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         self.plan = plan
         self.draft_length = draft_length.for_plan(plan)
         self.clock = RoundClock(self.draft_length, assistant_model.device)
-        self.steps = DraftSteps.for_plan(plan, assistant_model, draft_cache)
+        self.steps = DraftSteps.for_plan(
+            plan, assistant_model, draft_cache, self._drafter_media(model_kwargs)
+        )
         self._drafting = plan.drafting(assistant_model)
         # tokens the draft cache holds, kept on the host: a static cache's own count is a device tensor, and
         # reading it would cost a device synchronisation twice a round (None: unknown, read the cache)
         self.seen_tokens: int | None = 0
         self._padded: bool | None = None  # whether the call's attention mask pads the row (read once)
+
+    def _drafter_media(self, model_kwargs: dict) -> dict:
+        """The prompt's images and videos for a multimodal drafter's prefill (`drafter_media.py`)."""
+        return drafter_media.for_drafter(self.assistant_model, model_kwargs)
 
     @property
     def draft_prefill_seconds(self) -> float:
@@ -61,8 +67,15 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         return self.steps.prefill.seconds
 
     def runtime(self) -> dict:
-        """What ran in this call (`SpeculationStats.runtime`): transformers' loop, the target verifying eagerly."""
-        return {"loop": "transformers", "verify": None, "draft_step": self.steps.record()}
+        """What ran in this call (`SpeculationStats.runtime`): transformers' loop, the target verifying eagerly, the
+        draft step, and the inputs a multimodal drafter's prefill read besides the ids."""
+        media = sorted(self.steps.prefill.media)
+        return {
+            "loop": "transformers",
+            "verify": None,
+            "draft_step": self.steps.record(),
+            "drafter_media": media,
+        }
 
     # -- a round -------------------------------------------------------------------------------------------------
     def get_candidates(

@@ -25,7 +25,7 @@ from ..attention.query_capture import query_capture
 from ..cache import BudgetedCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
-from . import draft_prefix
+from . import draft_prefix, drafter_media
 from .device_rules import device_rules
 from .draft_length.clock import synchronize
 
@@ -138,17 +138,30 @@ class Prefill:
     draft cache is filled from the recorded keys/values through its layers' `update`), else its own forward,
     capturing the prefill's queries when `capture_queries`. In a call continuing a prefilled target cache, either
     runs on from where the prompt stops sharing the last one the drafter read (`draft_prefix`; a full prefill
-    then records the keys/values in a `DynamicCache` first). `seconds` accumulates its time (device synchronised)."""
+    then records the keys/values in a `DynamicCache` first). A multimodal drafter given the prompt's images
+    (`media`, `drafter_media.py`) reads them in one forward of its own, computing its own positions, and
+    `rope_offset` says how far the later steps' positions run past their count. `seconds` accumulates its time
+    (device synchronised)."""
 
-    def __init__(self, eager: ForwardStep, window: int | None, num_sink_tokens: int, capture_queries: bool):
+    def __init__(
+        self,
+        eager: ForwardStep,
+        window: int | None,
+        num_sink_tokens: int,
+        capture_queries: bool,
+        media: dict | None = None,
+    ):
         self.eager, self.window, self.num_sink_tokens = eager, window, num_sink_tokens
         self.capture_queries, self.seconds = capture_queries, 0.0
+        self.media, self.rope_offset = media or {}, 0
 
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
         start = time.perf_counter()
         model, cache = self.eager.model, self.eager.cache
         windowed = self.window is not None and feed.shape[1] > self.window and mask is None
-        if windowed or (mask is None and draft_prefix.continues_full_prefill(model, self.capture_queries)):
+        if self.media:
+            logits = self._with_media(feed, mask)
+        elif windowed or (mask is None and draft_prefix.continues_full_prefill(model, self.capture_queries)):
             window = self.window if windowed else None
             logits = draft_prefix.prefill_into(cache, model, feed, self.num_sink_tokens, window).float()
         else:
@@ -157,6 +170,20 @@ class Prefill:
         synchronize(feed.device)
         self.seconds += time.perf_counter() - start
         return logits
+
+    def _with_media(self, feed, mask) -> torch.Tensor:
+        model, cache = self.eager.model, self.eager.cache
+        with query_capture(model) if self.capture_queries else contextlib.nullcontext():
+            out = model(
+                input_ids=feed,
+                attention_mask=mask,
+                **self.media,
+                **cache_kwargs(cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.rope_offset = drafter_media.rope_offset(model)
+        return out.logits[:, -1, :].float()
 
 
 @dataclass
@@ -172,16 +199,17 @@ class DraftSteps:
     tokens_one_by_one: int = 0
 
     @classmethod
-    def for_plan(cls, plan, model, cache) -> DraftSteps:
+    def for_plan(cls, plan, model, cache, media: dict | None = None) -> DraftSteps:
         """The steps `plan` asks for, on `model` and its draft `cache` (whose budgeted policy, if it scores the prefix
-        with the prefill's queries, makes the prefill capture them)."""
+        with the prefill's queries, makes the prefill capture them); `media`: the prompt's images for a multimodal
+        drafter's prefill (`drafter_media.for_drafter`)."""
         spec = plan.spec
         budgeted = isinstance(cache, BudgetedCache)
         capture_queries = budgeted and cache.policy.needs_queries
         eager = ForwardStep(model, cache, capture_queries=budgeted and cache.policy.refreshes)
         block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
         token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block
-        prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries)
+        prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries, media)
         one_by_one = device_rules(model.device, model.dtype).compiled_catch_up
         return cls(prefill=prefill, block=block, token=token, eager=eager, tokens_one_by_one=one_by_one)
 
@@ -204,9 +232,10 @@ class DraftSteps:
         }
 
     def __call__(self, feed, past: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """Logits `(1, V)` after feeding `feed (1, n)` at positions `past ... past + n - 1` (`mask`: the padded
-        row's attention mask, `None` without padding)."""
-        positions = torch.arange(past, past + feed.shape[1], device=feed.device)[None]
+        """Logits `(1, V)` after feeding `feed (1, n)` at positions `past ... past + n - 1`, past the prefill's
+        `rope_offset` (`mask`: the padded row's attention mask, `None` without padding)."""
+        start = past + self.prefill.rope_offset
+        positions = torch.arange(start, start + feed.shape[1], device=feed.device)[None]
         if past == 0:
             return self.prefill(feed, positions, mask)
         if mask is not None:

@@ -86,6 +86,10 @@ class OtherTokenizerDraftGenerator(SparseDraftCandidateGenerator):
                 "is padded (its attention_mask holds zeros): pass the row without padding"
             )
 
+    def _drafter_media(self, model_kwargs: dict) -> dict:
+        """None: the drafter's tokens are not the prompt's, so the images' placeholders would not line up."""
+        return {}
+
     def get_candidates(
         self, input_ids: torch.LongTensor, **kwargs
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:

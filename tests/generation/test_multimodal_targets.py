@@ -4,6 +4,8 @@ the image, wherever the call runs. transformers' loop feeds the target the image
 round) and its chunked prefill feed ids and counted positions only, so a call with such inputs runs transformers'
 loop, or is refused where it has none."""
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -22,6 +24,7 @@ from transformers import (
 import hf_budgetdraft.generation.plan as plan_module
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.compat import cache_kwargs
+from hf_budgetdraft.generation import drafter_media
 from hf_budgetdraft.generation.device_loop import unsupported
 from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.model_inputs import uncarried_inputs
@@ -299,3 +302,79 @@ def test_what_the_loops_do_not_carry():
     assert unsupported(GenerationConfig(), {"pixel_values": torch.ones(1)}, ids[:1]) == (
         "model inputs it does not feed the target (['pixel_values'])"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a multimodal drafter reads the image itself
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _image_call(family: str) -> tuple[torch.LongTensor, dict]:
+    if family == "llava":
+        return image_prompt(1), {"pixel_values": an_image(1)}
+    return qwen2_vl_prompt(5, image=True)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_a_multimodal_drafter_reads_the_image(family, request, monkeypatch):
+    """A vision-language drafter (here the target itself, its cache holding the whole prompt) encodes the prompt's
+    image with its own tower: every draft is accepted. Fed the ids alone it drafts blind to the image and is
+    rejected in part; a text drafter is given nothing but the ids; the kept image does not outlive the call."""
+    target, text_drafter = request.getfixturevalue(family)
+    drafter = copy.deepcopy(target)
+    ids, inputs = _image_call(family)
+    expected = greedy(target, ids, **inputs)
+    whole = {"budget": 2048, "draft_length": 4}
+
+    def run(model):
+        with record_speculation() as stats:
+            assert torch.equal(speculate(target, model, ids, cache_config=whole, **inputs), expected)
+        return stats
+
+    stats = run(drafter)
+    assert "pixel_values" in stats.runtime["drafter_media"]
+    assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
+    assert drafter_media._KEPT.get() is None
+    assert run(text_drafter).runtime["drafter_media"] == []
+    monkeypatch.setattr(drafter_media, "for_drafter", lambda model, kwargs: {})
+    blind = run(drafter)
+    assert sum(blind.accepted_per_round) < sum(blind.proposed_per_round)
+
+
+def test_a_multimodal_drafter_continues_at_its_own_positions(qwen2_vl):
+    """Past an image a Qwen2-VL model's text positions run behind its token count (4 image tokens take 2
+    positions): the drafter computes its prefill's positions itself and drafts on at the target's own."""
+    target, _ = qwen2_vl
+    drafter = copy.deepcopy(target)
+    ids, inputs = qwen2_vl_prompt(5, image=True)
+    seen = []
+    hook = drafter.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("position_ids")), with_kwargs=True
+    )
+    try:
+        speculate(target, drafter, ids, cache_config={"budget": 2048, "draft_length": 4}, **inputs)
+    finally:
+        hook.remove()
+    shift = int(target.model.rope_deltas)
+    assert shift == -2 and seen[0] is None  # the prefill: positions of its own
+    assert seen[1].flatten()[0].item() == ids.shape[1] + shift  # the first draft step, past the prompt
+
+
+def test_a_multimodal_drafter_continuing_a_conversation_reads_its_ids(llava):
+    """A second turn continuing a prefilled cache brings only its own image, where the drafter reads the whole
+    conversation (two images): the drafter reads the ids, and the output is the target's own."""
+    target, _ = llava
+    drafter = copy.deepcopy(target)
+    first = image_prompt(6, before=5, after=100)
+    second = torch.cat([first, image_prompt(4, before=5, after=40)], 1)
+
+    def after_first_turn():
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(first, pixel_values=an_image(6), **cache_kwargs(cache), use_cache=True)
+        return cache
+
+    expected = greedy(target, second, pixel_values=an_image(4), **cache_kwargs(after_first_turn()))
+    with record_speculation() as stats:
+        out = speculate(target, drafter, second, pixel_values=an_image(4), **cache_kwargs(after_first_turn()))
+    assert torch.equal(out, expected) and stats.runtime["drafter_media"] == []
