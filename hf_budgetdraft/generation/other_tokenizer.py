@@ -87,7 +87,7 @@ class OtherTokenizerDraftGenerator(SparseDraftCandidateGenerator):
             )
 
     def _drafter_media(self, model_kwargs: dict) -> dict:
-        """None: the drafter's tokens are not the prompt's, so the images' placeholders would not line up."""
+        """Nothing: the drafter's tokens are not the prompt's, so the images' placeholders would not line up."""
         return {}
 
     def get_candidates(
