@@ -378,3 +378,24 @@ def test_a_multimodal_drafter_continuing_a_conversation_reads_its_ids(llava):
     with record_speculation() as stats:
         out = speculate(target, drafter, second, pixel_values=an_image(4), **cache_kwargs(after_first_turn()))
     assert torch.equal(out, expected) and stats.runtime["drafter_media"] == []
+
+
+def test_a_smaller_multimodal_drafter_encodes_the_image_itself(llava):
+    """A drafter of another hidden size with a tower of its own: it encodes the image itself (transformers' assisted
+    loop would hand it the target's encodings, of the target's size), and the output is the target's own."""
+    target, _ = llava
+    torch.manual_seed(1)
+    small_text = LlamaConfig(**{**TEXT, "hidden_size": 32, "intermediate_size": 64})
+    small = LlavaForConditionalGeneration(
+        LlavaConfig(
+            vision_config=target.config.vision_config,
+            text_config=small_text,
+            image_token_id=IMAGE_TOKEN,
+            vision_feature_layer=-1,
+        )
+    ).eval()
+    ids, inputs = _image_call("llava")
+    with record_speculation() as stats:
+        out = speculate(target, small, ids, **inputs)
+    assert torch.equal(out, greedy(target, ids, **inputs))
+    assert stats.runtime["drafter_media"] == ["pixel_values"] and stats.rounds > 0
