@@ -312,15 +312,25 @@ def test_what_the_loops_do_not_carry():
 def _image_call(family: str) -> tuple[torch.LongTensor, dict]:
     if family == "llava":
         return image_prompt(1), {"pixel_values": an_image(1)}
-    return qwen2_vl_prompt(5, image=True)
+    if family == "qwen2_vl":
+        return qwen2_vl_prompt(5, image=True)
+    # a video of 2 frames of 4 x 4 patches, merged 2 x 2: 8 video tokens
+    generator = torch.Generator().manual_seed(5)
+    before, after = (torch.randint(1, 180, (1, n), generator=generator) for n in (10, 300))
+    ids = torch.cat([before, torch.tensor([[192] + [191] * 8 + [193]]), after], 1)
+    return ids, {
+        "pixel_values_videos": torch.randn(2 * 16, 3 * 2 * 14 * 14, generator=generator),
+        "video_grid_thw": torch.tensor([[2, 4, 4]]),
+        "mm_token_type_ids": (ids == 191).int() * 2,
+    }
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_vl-video"])
 def test_a_multimodal_drafter_reads_the_image(family, request, monkeypatch):
     """A vision-language drafter (here the target itself, its cache holding the whole prompt) encodes the prompt's
-    image with its own tower: every draft is accepted. Fed the ids alone it drafts blind to the image and is
-    rejected in part; a text drafter is given nothing but the ids; the kept image does not outlive the call."""
-    target, text_drafter = request.getfixturevalue(family)
+    image or video with its own tower: every draft is accepted. Fed the ids alone it drafts blind to it and is
+    rejected in part; a text drafter is given nothing but the ids; the kept media do not outlive the call."""
+    target, text_drafter = request.getfixturevalue(family.split("-")[0])
     drafter = copy.deepcopy(target)
     ids, inputs = _image_call(family)
     expected = greedy(target, ids, **inputs)
@@ -332,7 +342,7 @@ def test_a_multimodal_drafter_reads_the_image(family, request, monkeypatch):
         return stats
 
     stats = run(drafter)
-    assert "pixel_values" in stats.runtime["drafter_media"]
+    assert {"pixel_values", "pixel_values_videos"} & set(stats.runtime["drafter_media"])
     assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
     assert drafter_media._KEPT.get() is None
     assert run(text_drafter).runtime["drafter_media"] == []
