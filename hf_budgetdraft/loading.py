@@ -13,7 +13,18 @@ from pathlib import Path
 
 import huggingface_hub
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = ("sdpa", "eager", "budgetdraft_sdpa", "flash_attention_2")
@@ -74,10 +85,12 @@ def check_device(device: str) -> None:
 
 
 def load_model(name: str, flags: LoadFlags) -> PreTrainedModel:
-    """`name` (a local folder or a hub id) as a causal LM in eval mode, as `flags` say."""
+    """`name` (a local folder or a hub id) as a causal LM in eval mode, as `flags` say (a vision-language model
+    transformers registers for image-text-to-text only, such as LLaVA or Qwen2.5-VL, as that: it reads text
+    prompts too)."""
     placement = {"device_map": "auto"} if flags.device == "auto" else {}
     model = _from_pretrained(
-        AutoModelForCausalLM,
+        _auto_class(name, flags),
         name,
         dtype=DTYPES.get(flags.dtype, "auto"),
         attn_implementation=flags.attn_implementation,
@@ -89,6 +102,18 @@ def load_model(name: str, flags: LoadFlags) -> PreTrainedModel:
     if flags.device != "auto":
         model = model.to(flags.device)
     return model.eval()
+
+
+def _auto_class(name: str, flags: LoadFlags):
+    """`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for a model only that mapping knows."""
+    config = _from_pretrained(
+        AutoConfig, name, revision=flags.revision, trust_remote_code=flags.trust_remote_code
+    )
+    vision_language_only = (
+        type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+        and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+    )
+    return AutoModelForImageTextToText if vision_language_only else AutoModelForCausalLM
 
 
 def load_tokenizer(name: str, flags: LoadFlags) -> PreTrainedTokenizerBase:

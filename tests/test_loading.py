@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import (
+    AutoTokenizer,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+)
 
 from hf_budgetdraft.commands.generate import chat_ids
 from hf_budgetdraft.demo.models import DEMO_DIR
@@ -50,7 +56,35 @@ def hub_cache(tmp_path_factory) -> Path:
     permuted, permuted_tokenizer = permuted_pair(drafter, DEMO_DIR / "tokenizer", folder / "tokenizer")
     permuted.save_pretrained(folder / "model")
     _hub_snapshot(cache, "someone/other-tokenizer-drafter", folder / "model", permuted_tokenizer)
+    _vision_language_model().save_pretrained(folder / "vision-language")
+    _hub_snapshot(cache, "someone/vision-language-target", folder / "vision-language", tokenizer)
     return cache
+
+
+def _vision_language_model():
+    """A tiny LLaVA reading the demo tokenizer's ids: transformers registers it for image-text-to-text only."""
+    torch.manual_seed(0)
+    text = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=2047, vision_feature_layer=-1)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # margins above float noise
+    return model
 
 
 def _cli(hub_cache: Path, *flags: str, stdin: str = "") -> subprocess.CompletedProcess:
@@ -121,6 +155,17 @@ def test_generate_takes_hub_ids_offline_a_dtype_and_stdin_and_streams(hub_cache)
     streamed = out.index("--- generated (the one-liner, streamed) ---")
     assert streamed < out.index("greedy diff vs the target's own greedy output") < out.index("vs fast AR")
     assert "target prefill" in out
+
+
+@pytest.mark.parametrize("drafter", ["someone/vision-language-target", "someone/small-drafter"])
+def test_generate_takes_a_vision_language_target(hub_cache, drafter):
+    """A model transformers registers for image-text-to-text only (LLaVA here) loads as that and reads a text
+    prompt, drafted for by itself or by a text drafter: the output is its own."""
+    text = (DEMO_DIR / "king_john.txt").read_text(encoding="utf-8")[:3000]
+    pair = ("--target", "someone/vision-language-target", "--drafter", drafter)
+    result = _cli(hub_cache, *pair, "--prompt_file", "-", "--max_new_tokens", "16", stdin=text)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    assert "greedy diff vs the target's own greedy output: 0 tokens (identical)" in result.stdout
 
 
 def test_generate_refuses_another_tokenizer_with_the_same_vocabulary_size(hub_cache):
@@ -205,15 +250,18 @@ config = BudgetDraftConfig(output_dir=sys.argv[1], teacher_model_name_or_path=ta
 teacher, student, _, teacher_tokenizer = _train_models(script, config)
 assert teacher.dtype == __import__("torch").bfloat16 and teacher_tokenizer is not None
 print("doors:", type(bench.targets["target"]).__name__, type(exported).__name__, type(teacher).__name__)
+vision = full_models(BenchArguments(preset="full", target="someone/vision-language-target", drafter=drafter))
+print("vision-language:", type(vision.targets["target"]).__name__)
 """
 
 
 def test_bench_export_and_train_take_hub_ids_offline(hub_cache, tmp_path):
     """The same loader behind every door: `bench --preset full`, `export` and `train` resolve hub ids from the cache
-    (offline), each in the dtype it was asked for."""
+    (offline), each in the dtype it was asked for; a vision-language target loads as one."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-c", DOORS, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "doors: Glm4MoeForCausalLM LlamaForCausalLM Glm4MoeForCausalLM" in done.stdout
+    assert "vision-language: LlavaForConditionalGeneration" in done.stdout

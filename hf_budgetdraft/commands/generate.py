@@ -297,7 +297,7 @@ def generate_command(args: GenerateArguments) -> int:
     translated = (
         {} if draft_tokenizer is None else {"tokenizer": tokenizer, "assistant_tokenizer": draft_tokenizer}
     )
-    ids = _prompt_ids(args, tokenizer, target.config.vocab_size)
+    ids = _prompt_ids(args, tokenizer, target.config.get_text_config().vocab_size)
     spec = args.draft_spec() if args.cache != "full" else None
     # a sparse cache: the spec decides the draft length; --cache full: stock assisted generation's fixed γ
     configure_drafter(drafter, None if spec is not None else FULL_CACHE_GAMMA)
@@ -479,7 +479,7 @@ def _generate_batch(args: GenerateArguments, target, drafter, tokenizer) -> int:
     """The batched main job: batched AR on the fast target, then the batched one-liner; per-row greedy diffs."""
     from ..runs.batch_call import run_batch
 
-    ids, mask = _batch_ids(args, tokenizer, target.config.vocab_size)
+    ids, mask = _batch_ids(args, tokenizer, target.config.get_text_config().vocab_size)
     spec = args.draft_spec()
     options = {
         "cache_implementation": spec.cache,

@@ -183,7 +183,7 @@ def batched_bench_command(args) -> int:
             text = "\n\n".join(d.text for d in documents)
             stream = tokenizer(text, return_tensors="pt").input_ids[0]
         else:  # random models: a random token stream
-            vocab = models.targets["target"].config.vocab_size
+            vocab = models.targets["target"].config.get_text_config().vocab_size
             stream = torch.randint(
                 1, vocab, (max(args.contexts) * 4,), generator=torch.Generator().manual_seed(0)
             )
