@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_llava import tiny_llava
 from transformers import (
     AutoTokenizer,
-    CLIPVisionConfig,
-    LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
 )
 
 from hf_budgetdraft.commands.generate import chat_ids
@@ -56,35 +53,10 @@ def hub_cache(tmp_path_factory) -> Path:
     permuted, permuted_tokenizer = permuted_pair(drafter, DEMO_DIR / "tokenizer", folder / "tokenizer")
     permuted.save_pretrained(folder / "model")
     _hub_snapshot(cache, "someone/other-tokenizer-drafter", folder / "model", permuted_tokenizer)
-    _vision_language_model().save_pretrained(folder / "vision-language")
+    # a LLaVA reading the demo tokenizer's ids: transformers registers it for image-text-to-text only
+    tiny_llava(2048, image_token_id=2047).save_pretrained(folder / "vision-language")
     _hub_snapshot(cache, "someone/vision-language-target", folder / "vision-language", tokenizer)
     return cache
-
-
-def _vision_language_model():
-    """A tiny LLaVA reading the demo tokenizer's ids: transformers registers it for image-text-to-text only."""
-    torch.manual_seed(0)
-    text = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=2047, vision_feature_layer=-1)
-    model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # margins above float noise
-    return model
 
 
 def _cli(hub_cache: Path, *flags: str, stdin: str = "") -> subprocess.CompletedProcess:

@@ -8,14 +8,12 @@ import copy
 
 import pytest
 import torch
+from tiny_llava import tiny_llava
 from transformers import (
     AutoModelForCausalLM,
-    CLIPVisionConfig,
     DynamicCache,
     GenerationConfig,
     LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
     Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
@@ -57,25 +55,7 @@ def _text_drafter(target, config) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def llava():
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-        projection_dim=32,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**TEXT),
-        image_token_id=IMAGE_TOKEN,
-        vision_feature_layer=-1,
-    )
-    target = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4.0)  # margins above float noise
+    target = tiny_llava(TEXT["vocab_size"], IMAGE_TOKEN)
     return target, _text_drafter(target, LlamaConfig(**TEXT))
 
 
@@ -394,16 +374,7 @@ def test_a_smaller_multimodal_drafter_encodes_the_image_itself(llava):
     """A drafter of another hidden size with a tower of its own: it encodes the image itself (transformers' assisted
     loop would hand it the target's encodings, of the target's size), and the output is the target's own."""
     target, _ = llava
-    torch.manual_seed(1)
-    small_text = LlamaConfig(**{**TEXT, "hidden_size": 32, "intermediate_size": 64})
-    small = LlavaForConditionalGeneration(
-        LlavaConfig(
-            vision_config=target.config.vision_config,
-            text_config=small_text,
-            image_token_id=IMAGE_TOKEN,
-            vision_feature_layer=-1,
-        )
-    ).eval()
+    small = tiny_llava(TEXT["vocab_size"], IMAGE_TOKEN, hidden_size=32, seed=1, head_scale=1.0)
     ids, inputs = _image_call("llava")
     with record_speculation() as stats:
         out = speculate(target, small, ids, **inputs)
