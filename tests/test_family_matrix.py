@@ -181,6 +181,36 @@ def test_hybrid_drafter_with_a_window_covering_everything_drafts_as_stock(family
     assert windowed.proposed_per_round == native.proposed_per_round
 
 
+def test_a_drafter_with_a_relative_position_bias_drafts_on_the_dynamic_cache():
+    """Inkling's attention adds a bias built on `arange(kv_length) + kv_offset`, which a static cache's ring slots are
+    not: the default plan keeps the dynamic cache (saying why), where the target drafting for itself over a window
+    covering the context accepts every draft (on a static cache, which dropped the bias, it accepted 6 of 11);
+    asking for a static cache is refused, and a static cache built by hand refuses its first step."""
+    target, _ = family_pair("inkling")
+    window = {"num_sink_tokens": 4, "window_length": 4096}
+    with record_speculation() as stats:
+        out = target.generate(
+            random_prompt(PROMPT_LENGTH), assistant_model=target, do_sample=False, max_new_tokens=NEW_TOKENS,
+            cache_implementation="sink_window", cache_config=window,
+        )  # fmt: skip
+    assert torch.equal(out, _target_greedy("inkling"))
+    assert stats.plan.spec.static is False and "position bias" in stats.plan.reasons["static"]
+    assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
+    with pytest.raises(ValueError, match="InklingAttention adds a position bias.*'static': False"):
+        target.generate(
+            random_prompt(PROMPT_LENGTH), assistant_model=target, max_new_tokens=4,
+            cache_implementation="sink_window", cache_config={**window, "static": True},
+        )  # fmt: skip
+    target.set_attn_implementation("budgetdraft_varlen")
+    try:
+        cache = SinkWindowCache(target.config, num_sink_tokens=4, window_length=16, slack=8, static=True)
+        target(random_prompt(40), **cache_kwargs(cache), use_cache=True)
+        with pytest.raises(ValueError, match="static draft cache's slots are not"):
+            _step_logits(target, cache, random_prompt(1, seed=3), start=40)
+    finally:
+        target.set_attn_implementation("sdpa")
+
+
 def _qwen3_next_drafter():
     config = AutoConfig.for_model(
         "qwen3_next",

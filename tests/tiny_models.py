@@ -110,11 +110,11 @@ def skip_unless_known(model_type: str) -> None:
 
 
 def skip_unless_static(model) -> None:
-    """Skip a test of a static draft cache on a transformers whose attention layers do not pass their kwargs to
-    `cache.update` (before 5.24): there the one-liner drafts on the dynamic cache."""
-    from hf_budgetdraft.generation.plan import supports_static_cache
+    """Skip a test of a static draft cache on a model that cannot run one: its attention layers do not pass their
+    kwargs to `cache.update` (transformers before 5.24) or add a position bias (Inkling); the one-liner drafts on
+    the dynamic cache there."""
+    from hf_budgetdraft.generation.plan import static_cache_problem
 
-    if not supports_static_cache(model):
-        pytest.skip(
-            f"{type(model).__name__} cannot run a static draft cache on transformers {transformers.__version__}"
-        )
+    problem = static_cache_problem(model)
+    if problem:
+        pytest.skip(f"no static draft cache on transformers {transformers.__version__}: {problem}")

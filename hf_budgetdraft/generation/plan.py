@@ -4,7 +4,8 @@
 `device_rules.py`, and `DraftPlan.reasons` says why each came out as it did. What the defaults turn on, and when:
 
 - **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
-  travels that way); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+  travels that way) and add no position bias over the keys (Inkling, ALiBi: built on contiguous key positions); the
+  drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
 - **compiled one-token draft step** (`compiled_step.py`, or the drafter's own `generation_config.compile_config`,
   which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation;
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
@@ -51,20 +52,36 @@ SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
 
 
 @functools.cache
-def _passes_kwargs_to_cache(attention_class: type) -> bool:
+def _static_layer_problem(attention_class: type) -> str | None:
+    """Why an attention layer of `attention_class` cannot read a static draft cache (`None`: it can)."""
     try:
         source = inspect.getsource(attention_class.forward)
     except (OSError, TypeError):
-        return False
-    return re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is not None
+        return f"{attention_class.__name__}'s source cannot be read to check how it calls the cache"
+    if re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is None:
+        return f"{attention_class.__name__} does not pass its kwargs to cache.update (the slot mask travels there)"
+    if re.search(r"\bposition_bias=", source):
+        # Inkling's relative bias, ALiBi: built over `arange(kv_length) + kv_offset`, which a step's ring slots are not
+        return (
+            f"{attention_class.__name__} adds a position bias built on contiguous key positions, which a static "
+            f"cache's slots are not"
+        )
+    return None
 
 
-def supports_static_cache(model) -> bool:
-    """Whether every attention layer of `model` hands its kwargs to `cache.update` (a static cache needs it)."""
+def static_cache_problem(model) -> str | None:
+    """Why `model` cannot draft on a static draft cache (`None`: every attention layer can)."""
     classes = {
         type(m) for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__
     }
-    return bool(classes) and all(_passes_kwargs_to_cache(c) for c in classes)
+    if not classes:
+        return f"{type(model).__name__} has no attention layers with a layer_idx"
+    return next((problem for c in classes if (problem := _static_layer_problem(c))), None)
+
+
+def supports_static_cache(model) -> bool:
+    """Whether every attention layer of `model` can read a static draft cache (`static_cache_problem`)."""
+    return static_cache_problem(model) is None
 
 
 def verify_attention(target, fast_verify: bool) -> str | None:
@@ -134,16 +151,15 @@ class DraftPlan:
 
 
 def _static_choice(spec: DraftSpec, drafter) -> tuple[bool, str]:
-    can_be_static = supports_static_cache(drafter)
+    problem = static_cache_problem(drafter)
     if spec.static != AUTO:
-        if spec.static and not can_be_static:
+        if spec.static and problem:
             raise ValueError(
-                f"static=True needs a drafter whose attention passes its kwargs to cache.update; "
-                f"{type(drafter).__name__}'s does not. Use cache_config={{'static': False}}"
+                f"static=True cannot run on {type(drafter).__name__}: {problem}. Use cache_config={{'static': False}}"
             )
         return spec.static, "cache_config"
-    if not can_be_static:
-        return False, f"{type(drafter).__name__}'s attention does not pass its kwargs to cache.update"
+    if problem:
+        return False, problem
     implementation = drafter.config._attn_implementation
     if implementation == "flex_attention" and getattr(drafter, "_supports_sdpa", False):
         # the same attention as its sdpa: a flex mask over a sparse cache's offset keys also fails to compile on CPU

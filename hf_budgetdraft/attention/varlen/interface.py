@@ -87,6 +87,11 @@ def budgetdraft_varlen_mask(
 def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> torch.Tensor:
     """Attention of a static draft cache's step (`q` tokens) over its fixed `[static | ring]` buffers (a selection
     that refreshes re-selects its static slots with the step's queries first)."""
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(
+            f"{type(module).__name__} adds a position bias built on contiguous key positions, which a static draft "
+            "cache's slots are not (drafts would silently read the wrong bias); use cache_config={'static': False}"
+        )
     static_layer.before_attention(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
     key_valid = static_layer.consume_key_mask()  # (1 or B, 1 or H_kv, q, K): the slots each query may read
     if key_valid.shape[2] != query.shape[2]:
