@@ -19,6 +19,11 @@ draft caches. A family is
   sparse draft fails is a gap);
 - `not built`: the shared sizes do not fit its config, or its own `generate()` fails on them: not judged.
 
+Beside the verdict, the drafter drafts once more on a sink/window cache whose window covers the whole call, on each
+storage (dynamic and static slots), 4 tokens a round: reading every key, a copy of the target must accept every
+draft. Fewer means a draft path computes something other than the drafter's own forward (a bias or kwarg the
+sparse attention drops): output stays the target's, only acceptance shows it.
+
 A tool to find gaps, not a test: the family matrix in `tests/` is the contract. Writes
 `benchmarks/results/family_sweep.{json,md}` by default.
 """
@@ -132,6 +137,9 @@ CACHES = {
     "budgeted": {"budget": 32, "window_length": 8},
     "sink_window": {"num_sink_tokens": 4, "window_length": 24},
 }
+# every key kept (the window covers prompt and output), a fixed draft length: a copy of the target accepts each draft
+SELF_DRAFT = {"num_sink_tokens": 4, "window_length": 1024, "draft_length": 4}
+STORAGES = {"dynamic": False, "static": True}
 PROMPT, NEW_TOKENS, MAX_PARAMETERS = 150, 16, 30_000_000
 MEMORY_BYTES, SECONDS = 6 << 30, 300
 
@@ -272,7 +280,46 @@ def sweep_one(model_type: str) -> dict:
             assistant_model=drafter, cache_implementation=name, cache_config=cache_config, **call
         )
         row[name] = _outcome(lambda kwargs=speculative: torch.equal(target.generate(ids, **kwargs), expected))
+    row["self_draft"] = {
+        storage: _self_draft(target, drafter, ids, expected, static) for storage, static in STORAGES.items()
+    }
     return row
+
+
+def _self_draft(target, drafter, ids, expected, static: bool) -> str:
+    """`"accepted/proposed"` drafts of the target's copy reading every key (`SELF_DRAFT`) on one storage, or what
+    `_outcome` says when the output differs or the call raises."""
+    import torch
+
+    import hf_budgetdraft
+
+    counts = []
+
+    def call() -> bool:
+        with hf_budgetdraft.record_speculation() as stats:
+            out = target.generate(
+                ids,
+                assistant_model=drafter,
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                cache_implementation="sink_window",
+                cache_config={**SELF_DRAFT, "static": static},
+            )
+        counts.extend([sum(stats.accepted_per_round), sum(stats.proposed_per_round)])
+        return torch.equal(out, expected)
+
+    outcome = _outcome(call)
+    return f"{counts[0]}/{counts[1]}" if outcome == "identical" else outcome
+
+
+def drafts_short(row: dict) -> list[str]:
+    """The storages on which the target's copy, reading every key, accepted fewer drafts than it proposed."""
+    counts = {storage: result.split("/") for storage, result in row.get("self_draft", {}).items()}
+    return [
+        storage
+        for storage, parts in counts.items()
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) < int(parts[1])
+    ]
 
 
 def verdict(row: dict) -> str:
@@ -315,6 +362,17 @@ def run_isolated(model_type: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _short_line(rows: list[dict]) -> str:
+    """The families whose copy, reading every key, accepted fewer drafts than it proposed."""
+    short = {row["family"]: drafts_short(row) for row in rows if drafts_short(row)}
+    named = ", ".join(f"{family} ({' and '.join(storages)})" for family, storages in short.items())
+    return (
+        f"Self-draft reading every key (the target's copy, a window covering the call, {SELF_DRAFT['draft_length']} "
+        f"tokens a round): {len(short)} families accepted fewer drafts than proposed"
+        + (f": {named}." if named else ".")
+    )
+
+
 def table(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
     counts = Counter(verdict(row) for row in rows)
@@ -330,14 +388,18 @@ def table(result: dict) -> str:
         "|---|---|",
         *[f"| {v} | {n} |" for v, n in sorted(counts.items())],
         "",
-        "| family | verdict | stock assisted | budgeted | sink_window |",
-        "|---|---|---|---|---|",
+        _short_line(rows),
+        "",
+        "| family | verdict | stock assisted | budgeted | sink_window | self-draft, every key (dynamic / static) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["built"] == "yes":
+            self_draft = row.get("self_draft", {})
             cells = [row["stock"], row["budgeted"], row["sink_window"]]
+            cells.append(" / ".join(self_draft.get(storage, "not run")[:60] for storage in STORAGES))
         else:
-            cells = [f"not built: {row['built'][:80]}", "", ""]
+            cells = [f"not built: {row['built'][:80]}", "", "", ""]
         cells = [c.replace("|", "/").replace("\n", " ") for c in cells]
         family = row["family"] + (" (image-text-to-text)" if row.get("kind") == "image-text-to-text" else "")
         lines.append(f"| {family} | {verdict(row)} | " + " | ".join(cells) + " |")

@@ -15,6 +15,10 @@ def test_three_families_each_in_a_process(tmp_path):
     assert [row["family"] for row in result["rows"]] == ["llama", "nanochat", "llava"]
     assert [row["kind"] for row in result["rows"]] == ["causal", "causal", "image-text-to-text"]
     assert all(sweep.verdict(row) == "identical" and row["stock"] == "identical" for row in result["rows"])
+    for row in result["rows"]:  # the target's copy, reading every key, accepts each draft on both storages
+        assert set(row["self_draft"]) == {"dynamic", "static"} and not sweep.drafts_short(row)
+        accepted, proposed = map(int, row["self_draft"]["static"].split("/"))
+        assert accepted == proposed > 0
     table = (tmp_path / "fs.md").read_text()
     assert "2 causal-LM and 1 image-text-to-text families" in table
     assert "| nanochat | identical |" in table and "| llava (image-text-to-text) | identical |" in table
@@ -38,6 +42,15 @@ def test_verdicts():
     assert sweep.verdict(stock_fails) == "fails (stock too)"
     assert sweep.verdict({**built, "budgeted": "refused: r", "sink_window": "refused: r"}) == "refused"
     assert sweep.verdict({"family": "x", "built": "TypeError: sizes"}) == "not built"
+
+
+def test_a_copy_that_drafts_short_is_named():
+    """A storage on which the copy accepted fewer drafts than it proposed is listed; refusals and full counts are not."""
+    row = {"family": "x", "built": "yes", "self_draft": {"dynamic": "12/12", "static": "6/11"}}
+    assert sweep.drafts_short(row) == ["static"]
+    refused = {"family": "y", "built": "yes", "self_draft": {"dynamic": "8/8", "static": "refused: bias"}}
+    assert sweep.drafts_short(refused) == []
+    assert "1 families accepted fewer drafts than proposed: x (static)." in sweep._short_line([row, refused])
 
 
 def test_an_unknown_family_is_named():
