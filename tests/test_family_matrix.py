@@ -89,6 +89,30 @@ def test_query_scored_policies_on_every_family(family, cache_name):
     _check_cell(family, *QUERY_CACHES[cache_name])
 
 
+EVERY_KEY = {  # a selection and a window covering prompt and output
+    "sink_window": {"num_sink_tokens": 4, "window_length": 1024},
+    "budgeted": {"budget": 1024, "window_length": 1024},
+}
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("cache", list(EVERY_KEY))
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_the_target_drafting_over_every_key_accepts_every_draft(family, cache, static):
+    """A window covering the call keeps every key: the target's copy drafting for it must then accept each draft, on
+    either storage. Output alone cannot show a draft path that computes something other than the drafter's own
+    forward (a bias, scale or kwarg the sparse attention drops); acceptance does."""
+    target, _ = family_pair(family)
+    if static:
+        skip_unless_static(target)
+        if target.config._attn_implementation == "eager":
+            pytest.skip("eager drafters keep their attention: no static draft cache")
+    out, stats = _speculate(family, cache, {**EVERY_KEY[cache], "draft_length": 4, "static": static})
+    assert torch.equal(out, _target_greedy(family))
+    assert stats.plan.spec.static is static
+    assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0, stats.accepted_per_round
+
+
 # -- hybrid drafters: convolution states kept as transformers keeps them, rolled back exactly ------------------------
 def _step_logits(model, cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
     """Feed `tokens` `(1, n)` one at a time at positions `start..`; the last step's logits `(V,)`."""
