@@ -28,12 +28,12 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..compat import CACHE_KWARG, cache_kwargs
-from . import draft_length
+from . import draft_length, drafter_media
 from .acceptance import accept_round, sample_on_device
 from .batched_loop import PER_TOKEN_OUTPUTS
 from .draft_length import RoundClock
 from .draft_steps import DraftSteps
-from .model_inputs import uncarried_inputs
+from .model_inputs import prompt_only_inputs, uncarried_inputs
 from .plan import DraftPlan
 from .prefilled import check_prompt_extends, is_given
 from .processors import is_blockwise, process_block
@@ -61,9 +61,12 @@ def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
         return "a prompt given as inputs_embeds"
     if kwargs.get("synced_gpus"):
         return "synced_gpus"
-    extra = uncarried_inputs(kwargs, input_ids)
+    prompt_only = prompt_only_inputs(kwargs, input_ids)
+    extra = [name for name in uncarried_inputs(kwargs, input_ids) if name not in prompt_only]
     if extra:
         return f"model inputs it does not feed the target ({extra})"
+    if prompt_only and is_given(kwargs.get(CACHE_KWARG)):
+        return f"{sorted(prompt_only)} in a call continuing a cache it was given"
     return None
 
 
@@ -71,8 +74,18 @@ class DeviceRound:
     """One call of the device round (see the module docstring). After `run`, `draft_length`, `draft_cache`,
     `draft_prefill_seconds` and `runtime()` describe it (read by `record_speculation`)."""
 
-    def __init__(self, target, drafter, plan: DraftPlan, generation_config, logits_processor):
+    def __init__(
+        self,
+        target,
+        drafter,
+        plan: DraftPlan,
+        generation_config,
+        logits_processor,
+        prompt_inputs: dict | None = None,
+        drafter_media: dict | None = None,
+    ):
         self.target, self.drafter, self.plan = target, drafter, plan
+        self.prompt_inputs = prompt_inputs or {}  # the target's prefill takes them (`prompt_only_inputs`)
         self.config = generation_config
         self.processors = list(logits_processor or [])
         self.sample = bool(generation_config.do_sample)
@@ -80,7 +93,7 @@ class DeviceRound:
         length = plan.spec.draft_length
         self.most = length if isinstance(length, int) else plan.spec.max_draft_length
         self.draft_cache = plan.draft_cache(drafter)
-        self.steps = DraftSteps.for_plan(plan, drafter, self.draft_cache)
+        self.steps = DraftSteps.for_plan(plan, drafter, self.draft_cache, drafter_media)
         self._drafting = plan.drafting(drafter)
         eos = getattr(generation_config, "_eos_token_tensor", None)
         self.eos = None if eos is None else eos.to(target.device).reshape(-1)
@@ -91,11 +104,13 @@ class DeviceRound:
         return self.steps.prefill.seconds
 
     def runtime(self) -> dict:
-        """What ran in this call: the loop, the verification and the draft step (compiled or not, and how often)."""
+        """What ran in this call: the loop, the verification and the draft step (compiled or not, and how often),
+        and the inputs a multimodal drafter's prefill read besides the ids."""
         return {
             "loop": "device_round",
             "verify": None if self.verify is None else self.verify.record.as_dict(),
             "draft_step": self.steps.record(),
+            "drafter_media": sorted(self.steps.prefill.media),
         }
 
     # -- a round -------------------------------------------------------------------------------------------------
@@ -190,11 +205,11 @@ class DeviceRound:
         self.clock = RoundClock(self.draft_length, input_ids.device)
         self.draft_seen = 0
         start = time.perf_counter()
-        first = self._pick(
-            self._process(
-                self.verify.prefill(input_ids, cached, self.config.prefill_chunk_size)[:, None], prompt
-            )
-        )  # (1, 1)
+        if self.prompt_inputs:
+            logits = self.verify.prefill_with(input_ids, self.prompt_inputs)
+        else:
+            logits = self.verify.prefill(input_ids, cached, self.config.prefill_chunk_size)
+        first = self._pick(self._process(logits[:, None], prompt))  # (1, 1)
         self.verify.capture(prompt)
         tokens[:, prompt : prompt + 1] = first
         stop = self.eos is not None and bool(torch.isin(first[0], self.eos).any())
@@ -228,7 +243,15 @@ def run_device_round(
 ):
     """`_assisted_decoding` as the device round: run it, shape the result as transformers would."""
     given = kwargs.get(CACHE_KWARG) if is_given(kwargs.get(CACHE_KWARG)) else None
-    round_ = DeviceRound(target, drafter, plan, generation_config, kwargs.get("logits_processor"))
+    round_ = DeviceRound(
+        target,
+        drafter,
+        plan,
+        generation_config,
+        kwargs.get("logits_processor"),
+        prompt_inputs=prompt_only_inputs(kwargs, input_ids),
+        drafter_media=drafter_media.for_drafter(drafter, kwargs),
+    )
     if stats is not None:
         stats.candidate_generator = round_
     sequences = round_.run(input_ids, kwargs.get("streamer"), stats, given)

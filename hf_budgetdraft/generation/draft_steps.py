@@ -177,7 +177,7 @@ class Prefill:
             out = model(
                 input_ids=feed,
                 attention_mask=mask,
-                **self.media,
+                **drafter_media.fitted(self.media, feed.shape[1]),
                 **cache_kwargs(cache),
                 use_cache=True,
                 logits_to_keep=1,

@@ -56,6 +56,17 @@ def for_drafter(drafter, model_kwargs: dict) -> dict:
     return {**media, **{name: value for name, value in types.items() if value is not None}}
 
 
+def fitted(media: dict, length: int) -> dict:
+    """`media` for a prefill of `length` tokens: the prompt's token types `(1, L)` marked text (0) on the tokens
+    past the prompt (the device round's drafter reads the target's first token with the prompt)."""
+    fitted = dict(media)
+    for name in _TOKEN_TYPES:
+        types = media.get(name)
+        if isinstance(types, torch.Tensor) and types.shape[-1] < length:
+            fitted[name] = torch.nn.functional.pad(types, (0, length - types.shape[-1]))
+    return fitted
+
+
 def rope_offset(drafter) -> int:
     """How far past its count the drafter's text positions run after a multimodal prefill: the `rope_deltas` a
     Qwen-VL-style model records when it computes 3-D rotary positions (an image of n tokens takes fewer than n

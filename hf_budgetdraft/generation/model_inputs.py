@@ -5,12 +5,15 @@ or video (`pixel_values`, or its encoding in `mm_encoder_outputs` from 5.25 on),
 positions (Qwen2-VL's 3-D `position_ids`, shifted past an image). The package's own loops (the batched loop, the
 device round) and its chunked prefill feed the target the prompt's ids (or `inputs_embeds`), an attention mask and
 positions counted along each row, nothing else. A call with any other input runs transformers' loop, or is refused
-where there is none to run; it is never dropped.
+where there is none to run; it is never dropped. The device round also takes what transformers' loop feeds the
+first forward only (`prompt_only_inputs`: images, the prompt's token types and multimodal positions): its prefill
+is that forward, and its later positions run on past the prompt's last.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 
 # what the loops feed or read themselves, and the call's controls (not model inputs)
 _CARRIED = frozenset(
@@ -82,3 +85,34 @@ def _counted_along_rows(positions, mask: torch.Tensor | None, input_ids: torch.L
         return False
     counted = mask.long().cumsum(-1) - 1
     return bool(((positions == counted) | (mask == 0)).all())
+
+
+def prompt_only_inputs(kwargs: dict, input_ids: torch.LongTensor | None) -> dict:
+    """The inputs among `uncarried_inputs` that only the prompt's forward needs (`{name: value}`): what transformers'
+    loop feeds the first forward alone (an image, its encoding), and the prompt's own token types `(1, L)` and
+    multimodal positions `(k, 1, L)`, which the later, text-only tokens do without (their positions continue from
+    the prompt's last, `position_offset`)."""
+    if input_ids is None:
+        return {}
+    length = input_ids.shape[-1]
+    kept = {}
+    for name in uncarried_inputs(kwargs, input_ids):
+        value = kwargs[name]
+        prompt_long = isinstance(value, torch.Tensor) and value.shape[-1] == length
+        if (
+            name in MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
+            or (name in _TOKEN_TYPES and prompt_long and value.dim() == 2)
+            or (name == "position_ids" and prompt_long and value.dim() == 3)
+        ):
+            kept[name] = value
+    return kept
+
+
+def position_offset(inputs: dict, length: int) -> int:
+    """How far the text positions after a prompt of `length` tokens run past their count: Qwen-VL's multimodal
+    positions `(3, 1, L)` (temporal, height, width; after a row of counted text positions in transformers 5.25's
+    `(4, 1, L)`) give an image of n tokens fewer than n positions; 0 without them. One host read."""
+    positions = inputs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
+        return 0
+    return int(positions[-3:, :, -1].max()) + 1 - length

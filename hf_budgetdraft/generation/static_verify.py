@@ -22,6 +22,7 @@ from transformers.utils import logging
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
 from .compiled_step import draft_step_compile_config
+from .model_inputs import position_offset
 from .model_state import model_state
 
 logger = logging.get_logger(__name__)
@@ -141,11 +142,14 @@ class StaticVerify:
         self.sizes = buckets(longest, coarse=target.device.type == "cuda")
         self.record = VerifyRecord(compiled=compile_config is not None)
         self.compiled_fn, self.shapes, self.padded_to = None, None, 0
+        # how far positions run past the cache's count (after an image: `prefill_with`)
+        self.position_offset = 0
         if compile_config is not None:
             self.compiled_fn, self.shapes = compiled_call(target, compile_config)
 
     def _forward(self, fn, ids: torch.Tensor, start: int):
         """`fn(target, ...)` (`_call` or its compiled form) on `ids (1, n)` at positions `start ...`."""
+        start += self.position_offset
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         return fn(
             self.target, input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True
@@ -158,6 +162,18 @@ class StaticVerify:
         logits = None
         for start in range(cached, ids.shape[1], chunk):
             logits = self._forward(_call, ids[:, start : start + chunk], start)[:, -1]
+        return logits.float()
+
+    def prefill_with(self, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """Feed the prompt `ids (1, P)` in one forward with `inputs`, those transformers' loop feeds its first
+        forward only (`model_inputs.prompt_only_inputs`: an image or its encoding, the prompt's token types and
+        multimodal positions), built as that loop builds them; later positions then continue from the prompt's
+        last. The last position's logits `(1, V)` float32."""
+        model_inputs = self.target.prepare_inputs_for_generation(
+            ids, **cache_kwargs(self.cache), use_cache=True, is_first_iteration=True, **inputs
+        )
+        logits = self.target(**model_inputs).logits[:, -1]
+        self.position_offset = position_offset(inputs, ids.shape[1])
         return logits.float()
 
     def load(self, given: Cache, tokens: int) -> None:

@@ -106,30 +106,6 @@ def test_the_image_changes_the_output(llava):
     )
 
 
-def test_the_device_round_leaves_an_image_prompt_to_transformers_loop(llava, monkeypatch):
-    """With the device round on (the rule on CUDA, here for the CPU), an image call runs transformers' loop, and
-    the plan says why; asked for explicitly, the device round refuses it."""
-    target, drafter = llava
-    cuda_rules = device_rules("cuda")
-
-    def rules(device, dtype=torch.float32):  # CUDA's choices about loops, on the CPU
-        return cuda_rules if torch.device(device).type == "cpu" else device_rules(device, dtype)
-
-    ids, pixels = image_prompt(1), an_image(1)
-    monkeypatch.setattr(plan_module, "device_rules", rules)
-    call = {"cache_config": {"compile_verify": False}}
-    with record_speculation() as stats:
-        out = speculate(target, drafter, ids, **call)
-    assert torch.equal(out, greedy(target, ids)) and stats.runtime["loop"] == "device_round"  # text: it runs
-    with record_speculation() as stats:
-        out = speculate(target, drafter, ids, pixel_values=pixels, **call)
-    assert torch.equal(out, greedy(target, ids, pixel_values=pixels))
-    assert not stats.plan.device_round
-    assert "model inputs it does not feed the target" in stats.plan.reasons["device_round"]
-    with pytest.raises(ValueError, match="model inputs it does not feed the target"):
-        speculate(target, drafter, ids, cache_config={"device_round": True}, pixel_values=pixels)
-
-
 @pytest.mark.parametrize("cache_config", [{}, {"full_draft_cache": True}], ids=["batch", "full_draft_cache"])
 def test_the_batched_loop_refuses_an_image_rather_than_drop_it(llava, cache_config):
     target, drafter = llava
@@ -279,9 +255,16 @@ def test_what_the_loops_do_not_carry():
         "mm_token_type_ids",
         "pixel_values",
     ]
-    assert unsupported(GenerationConfig(), {"pixel_values": torch.ones(1)}, ids[:1]) == (
-        "model inputs it does not feed the target (['pixel_values'])"
+    # the device round's prefill takes what transformers' loop feeds its first forward only; nothing else
+    assert unsupported(GenerationConfig(), {"pixel_values": torch.ones(1)}, ids[:1]) is None
+    assert unsupported(GenerationConfig(), {"image_grid_thw": torch.ones(1, 3)}, ids[:1]) == (
+        "model inputs it does not feed the target (['image_grid_thw'])"
     )
+    given = DynamicCache()
+    given._is_user_defined = True  # as transformers marks a cache its caller passed
+    assert unsupported(
+        GenerationConfig(), {"pixel_values": torch.ones(1), **cache_kwargs(given)}, ids[:1]
+    ) == ("['pixel_values'] in a call continuing a cache it was given")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,6 +312,71 @@ def test_a_multimodal_drafter_reads_the_image(family, request, monkeypatch):
     monkeypatch.setattr(drafter_media, "for_drafter", lambda model, kwargs: {})
     blind = run(drafter)
     assert sum(blind.accepted_per_round) < sum(blind.proposed_per_round)
+
+
+@pytest.fixture
+def cuda_loops(monkeypatch):
+    """CUDA's choices about loops (the device round), on the CPU; the verification eager (compiling is slow here)."""
+    cuda_rules = device_rules("cuda")
+
+    def rules(device, dtype=torch.float32):
+        return cuda_rules if torch.device(device).type == "cpu" else device_rules(device, dtype)
+
+    monkeypatch.setattr(plan_module, "device_rules", rules)
+    return {"compile_verify": False}
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_vl-video"])
+def test_the_device_round_takes_an_image_prompt(family, request, cuda_loops):
+    """The device round's prefill is the forward transformers' loop gives the image (its encoding, the prompt's
+    token types and multimodal positions): the output is the target's own, with a text drafter and with a drafter
+    equal to the target reading the image itself, which accepts every draft."""
+    target, text_drafter = request.getfixturevalue(family.split("-")[0])
+    ids, inputs = _image_call(family)
+    expected = greedy(target, ids, **inputs)
+    whole = {"budget": 2048, "draft_length": 4, **cuda_loops}
+    for drafter, reads_media in ((text_drafter, False), (copy.deepcopy(target), True)):
+        with record_speculation() as stats:
+            out = speculate(target, drafter, ids, cache_config=whole, **inputs)
+        assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+        read = set(stats.runtime["drafter_media"]) & {"pixel_values", "pixel_values_videos"}
+        assert bool(read) == reads_media
+    assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
+
+
+def test_the_device_round_verifies_at_the_targets_own_positions(qwen2_vl, cuda_loops):
+    """Past an image a Qwen2-VL target's text positions run 2 behind its token count: the prefill is given the
+    prompt's multimodal positions, and each verification continues from its last."""
+    target, drafter = qwen2_vl
+    ids, inputs = qwen2_vl_prompt(5, image=True)
+    seen = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("position_ids")), with_kwargs=True
+    )
+    try:
+        with record_speculation() as stats:
+            speculate(target, drafter, ids, cache_config={"draft_length": 4, **cuda_loops}, **inputs)
+    finally:
+        hook.remove()
+    assert stats.runtime["loop"] == "device_round"
+    assert seen[0].shape == (4, 1, ids.shape[1])  # the prefill: the prompt's own positions
+    assert seen[1].flatten()[0].item() == ids.shape[1] - 2  # the first verification, at the prompt's end
+
+
+def test_the_device_round_leaves_a_continued_image_conversation_to_transformers_loop(llava, cuda_loops):
+    """A second turn bringing an image to a cache its caller prefilled runs transformers' loop, the plan says why."""
+    target, drafter = llava
+    first = torch.randint(1, 180, (1, 200), generator=torch.Generator().manual_seed(4))
+    second = torch.cat([first, image_prompt(4, before=5, after=40)], 1)
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(first, **cache_kwargs(cache), use_cache=True)
+    with record_speculation() as stats:
+        speculate(
+            target, drafter, second, pixel_values=an_image(4), cache_config=cuda_loops, **cache_kwargs(cache)
+        )
+    assert not stats.plan.device_round
+    assert "in a call continuing a cache it was given" in stats.plan.reasons["device_round"]
 
 
 def test_a_multimodal_drafter_continues_at_its_own_positions(qwen2_vl):
