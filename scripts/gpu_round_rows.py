@@ -361,11 +361,13 @@ def judge(report, result: dict, name: str, goal: float | None) -> None:
         compiled_steps_ran(runtime, record["drafting_rounds"]),
         {**runtime, "drafting_rounds": record["drafting_rounds"]},
     )
-    warm = [
-        r.get("verify") or {} for r in result["runtime"].values() if (r or {}).get("loop") == "device_round"
-    ]
+    warm = [r for r in result["runtime"].values() if (r or {}).get("loop") == "device_round"]
+    verifies, drafts = [r.get("verify") or {} for r in warm], [r.get("draft_step") or {} for r in warm]
     report.check(
-        f"{name}.no_recompiles", all(v.get("new_shapes", 0) == v.get("recompiles", 0) == 0 for v in warm)
+        f"{name}.no_recompiles",
+        all(v.get("new_shapes", 0) == v.get("recompiles", 0) == 0 for v in verifies)
+        and all(d.get("graphs_compiled", 0) == d.get("recompiles", 0) == 0 for d in drafts),
+        {"verify": verifies, "draft_step": drafts},
     )
     ratios = result["ratio_to_b"]
     if on_gpu:  # timings: checked on the GPU only (the CPU smoke's tiny models measure nothing)

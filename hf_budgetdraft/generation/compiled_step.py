@@ -1,5 +1,6 @@
-"""The compiled one-token draft step: how it compiles (`draft_step_compile_config`) and, where the device rules
-rent before they buy, when its compilation pays (`compile_pays`).
+"""The compiled one-token draft step: how it compiles (`draft_step_compile_config`), where the device rules
+rent before they buy, when its compilation pays (`compile_pays`), and what a compiled step that cannot compile again
+raises (`compiling_again_failed`).
 
 On CPU a compilation costs seconds to tens of seconds and a step saves a fraction of a millisecond, so `"auto"`
 compiles once this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager static
@@ -9,6 +10,8 @@ starts from nothing).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import CompileConfig
@@ -56,3 +59,11 @@ def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> 
         return True
     saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
     return model_state(drafter).rent * saving >= COMPILE_SECONDS_ESTIMATE
+
+
+@functools.cache
+def compiling_again_failed() -> tuple[type[Exception], ...]:
+    """What dynamo raises when a step whose guards failed cannot be compiled again (its recompile limit under
+    `fullgraph=True`, a graph break, a backend failure): before the new graph runs."""
+    names = ("TorchDynamoException", "FailOnRecompileLimitHit")
+    return tuple(error for name in names if (error := getattr(torch._dynamo.exc, name, None)) is not None)

@@ -26,6 +26,7 @@ from ..cache import BudgetedCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix, drafter_media
+from .compiled_step import compiling_again_failed
 from .device_rules import device_rules
 from .draft_length.clock import synchronize
 
@@ -58,14 +59,18 @@ class ForwardStep:
 class CompiledStep:
     """The one-token step compiled with `compile_config`. Its first call compiles (under a process-wide lock: one
     thread compiles, the others reuse its graph); if compiling fails it warns once and runs `fallback` from then on,
-    unless the failed call already wrote to the cache. Logits are copied out of the CUDA graph's memory, which the
-    next replay overwrites."""
+    unless the failed call already wrote to the cache. A static draft cache's step has fixed shapes, so a later step
+    that compiles again means its inputs change from step to step: that step's result is kept and the rest of the
+    call drafts on `fallback` (warned once), before the recompilations exhaust dynamo's limit for the process. Logits
+    are copied out of the CUDA graph's memory, which the next replay overwrites."""
 
     def __init__(self, model, cache, compile_config, fallback: ForwardStep):
         self.cache, self.fallback = cache, fallback
         self.compiled = ForwardStep(model.get_compiled_call(compile_config), cache)
         self.checked, self.failure = False, None
         self.compiled_calls, self.eager_calls = 0, 0  # steps that ran compiled / eagerly after a failure
+        # dynamo graphs compiled by this call's steps, and those of them after its first step
+        self.graphs_compiled, self.recompiles = 0, 0
 
     @property
     def failed(self) -> bool:
@@ -75,27 +80,50 @@ class CompiledStep:
         if self.failed:
             self.eager_calls += 1
             return self.fallback(feed, positions)
-        if self.checked:
-            self.compiled_calls += 1
-            return self.compiled(feed, positions).clone()
-        lengths = self._static_lengths()
+        if not self.checked:
+            return self._first(feed, positions)
+        graphs = _graphs_compiled()
+        try:
+            logits = self.compiled(feed, positions).clone()
+        except compiling_again_failed() as error:  # raised compiling again, before the graph ran
+            self._stop(f"{type(error).__name__}: {error}", "compiling the draft step again failed")
+            self.eager_calls += 1
+            return self.fallback(feed, positions)
+        self.compiled_calls += 1
+        new = _graphs_compiled() - graphs
+        if new:
+            self.graphs_compiled += new
+            self.recompiles += new
+            self._stop(
+                f"the step recompiled at call step {self.compiled_calls}: its inputs change from step to step",
+                "the compiled draft step recompiled",
+            )
+        return logits
+
+    def _first(self, feed, positions) -> torch.Tensor:
+        """The call's first compiled step: compiles (or reuses this process's graph); on any failure that wrote
+        nothing to the cache (the one host read of its lengths), the eager step from then on."""
+        lengths, graphs = self._static_lengths(), _graphs_compiled()
         try:
             with _first_compiled_call:
                 logits = self.compiled(feed, positions).clone()
-            self.compiled_calls += 1
         except Exception as error:  # any compiler failure; the eager step is the same computation
             if self._static_lengths() != lengths:
                 raise
-            self.failure = f"{type(error).__name__}: {error}"
-            logger.warning_once(
-                f"compiling the draft step failed ({self.failure}); drafting eagerly instead. "
-                "Pass cache_config={'compile': False} to skip the attempt."
-            )
-            logger.debug("the draft step's compilation failed", exc_info=True)
+            self._stop(f"{type(error).__name__}: {error}", "compiling the draft step failed")
             self.eager_calls += 1
-            logits = self.fallback(feed, positions)
+            return self.fallback(feed, positions)
+        self.graphs_compiled += _graphs_compiled() - graphs
+        self.compiled_calls += 1
         self.checked = True
         return logits
+
+    def _stop(self, failure: str, what: str) -> None:
+        self.failure = failure
+        logger.warning_once(
+            f"{what} ({failure}); drafting eagerly instead. Pass cache_config={{'compile': False}} to skip the attempt."
+        )
+        logger.debug(what, exc_info=True)
 
     def _static_lengths(self) -> list[int]:
         return [
@@ -103,6 +131,11 @@ class CompiledStep:
             for layer in self.cache.layers
             if torch.is_tensor(getattr(layer, "length", None))
         ]
+
+
+def _graphs_compiled() -> int:
+    """Dynamo graphs compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class CheckedLeanStep:
@@ -220,14 +253,24 @@ class DraftSteps:
 
     def record(self) -> dict:
         """What the one-token step did in this call: planned compiled or not, steps run compiled, steps run
-        eagerly after a failed compilation, and the failure."""
+        eagerly after a failed compilation or a recompilation, dynamo graphs compiled by its steps and those
+        after its first step (recompiles), and why it stopped running compiled."""
         token = self.token
         if not isinstance(token, CompiledStep):
-            return {"compiled": False, "compiled_calls": 0, "eager_calls": 0, "failure": None}
+            return {
+                "compiled": False,
+                "compiled_calls": 0,
+                "eager_calls": 0,
+                "graphs_compiled": 0,
+                "recompiles": 0,
+                "failure": None,
+            }
         return {
             "compiled": True,
             "compiled_calls": token.compiled_calls,
             "eager_calls": token.eager_calls,
+            "graphs_compiled": token.graphs_compiled,
+            "recompiles": token.recompiles,
             "failure": token.failure,
         }
 

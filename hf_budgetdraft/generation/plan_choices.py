@@ -108,6 +108,14 @@ def compile_choice(
         return False, config, "the draft cache is not static"
     if compiled != AUTO:
         return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
+    if not is_full_attention_only(drafter.config):
+        # sliding windows and convolution states kept (with their past, for rollback) in transformers' own layers
+        return (
+            False,
+            config,
+            "the drafter has layers besides full attention, whose caches change shape from step to step: a "
+            "compiled step would recompile at each",
+        )
     if rules.compile_from_first_call:
         return True, config, rules.reasons["compile_from_first_call"]
     pays = compile_pays(drafter, config, lean)

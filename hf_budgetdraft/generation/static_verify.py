@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
-from .compiled_step import draft_step_compile_config
+from .compiled_step import compiling_again_failed, draft_step_compile_config
 from .model_inputs import position_offset
 from .model_state import model_state
 
@@ -227,8 +227,12 @@ class StaticVerify:
         recorded as a verification, not a capture)."""
         shape = (size, self.cache.layers[0].max_cache_len)
         if shape in self.shapes:
+            try:
+                logits = self._counted(padded, start)
+            except compiling_again_failed() as error:  # its guards failed and it could not compile again
+                return self._fall_back(error, padded, start, counted)
             self.record.compiled_calls += counted
-            return self._counted(padded, start)
+            return logits
         with _first_call_of_shape:  # one thread compiles a shape, the others reuse it
             graphs = self.record.graphs_compiled
             try:

@@ -189,6 +189,29 @@ def test_a_failed_compilation_falls_back_once_and_does_not_poison_later_ones(fre
 
 
 @needs_traceable_transformers
+def test_a_verification_that_cannot_compile_again_verifies_eagerly(fresh_dynamo, monkeypatch):
+    """A compiled shape whose guards fail later and cannot compile again (dynamo's recompile limit under fullgraph
+    raises before the graph runs) falls back to the eager forward, recorded, instead of failing the call."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None, draft_layers=1)
+    backend, _ = graph_counter()
+    ids = random_prompt(150, seed=5)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    counted, calls = StaticVerify._counted, []
+
+    def guards_fail_after_the_capture(self, padded, start):
+        calls.append(start)
+        if len(calls) > len(self.sizes):
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit reached with fullgraph=True")
+        return counted(self, padded, start)
+
+    monkeypatch.setattr(StaticVerify, "_counted", guards_fail_after_the_capture)
+    out, stats = speculate_compiled(target, drafter, ids, backend)
+    record = stats.runtime["verify"]
+    assert torch.equal(out, expected) and "FailOnRecompileLimitHit" in record["failure"]
+    assert record["compiled_calls"] == 0 and record["eager_calls"] == stats.rounds
+
+
+@needs_traceable_transformers
 def test_one_host_read_a_round(fresh_dynamo):
     """Counted over whole calls, transformers' code included: besides what a call reads once (generate()'s setup,
     the prefill's mask and EOS checks: the same for a short and a long call), one read a round (the accepted count

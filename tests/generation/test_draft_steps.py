@@ -1,14 +1,21 @@
 """The draft's step objects against the drafter's own forward: each writes the draft cache as that forward would and
 returns its logits; `DraftSteps.for_plan` picks them from the plan once per call."""
 
+import logging
+
 import pytest
 import torch
+from compile_counter import graph_counter
 from resolved_plans import plan_for
+from tiny_families import family_pair
 from tiny_models import model_pair, random_prompt
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
+import hf_budgetdraft.generation.plan as plan_module
+from hf_budgetdraft import record_speculation
 from hf_budgetdraft.attention.varlen import NAME as VARLEN
+from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.draft_steps import (
     CheckedLeanStep,
     CompiledStep,
@@ -98,3 +105,61 @@ def test_a_short_block_goes_through_the_compiled_step_one_token_at_a_time(fresh_
     assert steps.token.compiled_calls == 3 and blocks == []
     steps(torch.tensor([[1, 2, 3, 4]]), 93, None)  # longer than tokens_one_by_one: one block forward
     assert blocks == [4] and steps.token.compiled_calls == 3
+
+
+def _fullgraph_counter():
+    """CUDA's compile setting (one whole graph, fixed shapes) on a backend that counts graphs instead of compiling."""
+    backend, graphs = graph_counter()
+    return CompileConfig(backend=backend, fullgraph=True, dynamic=False, mode=None), graphs
+
+
+def _speculate_compiled(family: str, config: CompileConfig, cache_config: dict, pair=None):
+    target, drafter = pair or family_pair(family)
+    drafter.generation_config.compile_config = config
+    ids = random_prompt(240)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=24)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, cache_implementation="sink_window",
+            cache_config={"num_sink_tokens": 4, "window_length": 32, "draft_length": 6, **cache_config},
+        )  # fmt: skip
+    assert torch.equal(out, expected)
+    return stats
+
+
+@needs_traceable_transformers
+def test_a_compiled_step_records_its_graphs_and_a_second_call_compiles_none(fresh_dynamo):
+    config, graphs = _fullgraph_counter()
+    pair, cache_config = family_pair("llama"), {"compile": True, "lean_step": False}
+    first, second = (_speculate_compiled("llama", config, cache_config, pair) for _ in range(2))
+    first, second = first.runtime["draft_step"], second.runtime["draft_step"]
+    assert first["graphs_compiled"] == len(graphs) == 1 and first["recompiles"] == 0
+    assert second["graphs_compiled"] == second["recompiles"] == 0 and second["compiled_calls"] > 0
+    assert first["failure"] is second["failure"] is None
+
+
+@needs_traceable_transformers
+def test_a_step_whose_inputs_change_shape_drafts_eagerly_after_its_first_recompilation(fresh_dynamo, caplog):
+    """LFM2's convolution state, kept with its past for rollback, grows a token a step: each step of a whole-graph
+    compile would recompile until dynamo's limit failed the call. Asked for anyway, the step stops at its first
+    recompilation, records it and drafts on eagerly: the output is the target's own."""
+    config, graphs = _fullgraph_counter()
+    with caplog.at_level(logging.WARNING):
+        record = _speculate_compiled("lfm2", config, {"compile": True}).runtime["draft_step"]
+    assert record["recompiles"] == 1 and record["graphs_compiled"] == len(graphs) == 2
+    assert "recompiled" in record["failure"] and record["eager_calls"] > 0 and record["compiled_calls"] == 2
+    assert "the compiled draft step recompiled" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["lfm2", "gemma3", "cohere2"])
+def test_the_plan_compiles_no_step_of_a_drafter_with_layers_besides_full_attention(family):
+    """Their layers keep transformers' caches (sliding windows, convolution states), whose shapes change from step
+    to step: not even CUDA's rule compiles their step from the first call."""
+    target, drafter = family_pair(family)
+    plan = plan_for(target, drafter, cache_config={"static": True})
+    with pytest.MonkeyPatch.context() as patch:
+        cuda = device_rules("cuda")
+        patch.setattr(plan_module, "device_rules", lambda device, dtype=torch.float32: cuda)
+        on_cuda = plan_for(target, drafter, cache_config={"static": True})
+    for resolved in (plan, on_cuda):
+        assert resolved.spec.compile is False and "besides full attention" in resolved.reasons["compile"]
