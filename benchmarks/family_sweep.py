@@ -287,8 +287,8 @@ def sweep_one(model_type: str) -> dict:
 
 
 def _self_draft(target, drafter, ids, expected, static: bool) -> str:
-    """`"accepted/proposed"` drafts of the target's copy reading every key (`SELF_DRAFT`) on one storage, or what
-    `_outcome` says when the output differs or the call raises."""
+    """`"accepted/proposed"` drafts of the target's copy reading every key (`SELF_DRAFT`) on one storage (the
+    rounds before an EOS), or what `_outcome` says when the output differs or the call raises."""
     import torch
 
     import hf_budgetdraft
@@ -305,7 +305,10 @@ def _self_draft(target, drafter, ids, expected, static: bool) -> str:
                 cache_implementation="sink_window",
                 cache_config={**SELF_DRAFT, "static": static},
             )
-        counts.extend([sum(stats.accepted_per_round), sum(stats.proposed_per_round)])
+        rounds = list(zip(stats.accepted_per_round, stats.proposed_per_round, strict=True))
+        if out.shape[1] < ids.shape[1] + NEW_TOKENS:  # it stopped at an EOS, in its last round: drafts past it count
+            rounds = rounds[:-1]  # as rejected whatever they are
+        counts.extend([sum(a for a, _ in rounds), sum(p for _, p in rounds)])
         return torch.equal(out, expected)
 
     outcome = _outcome(call)
