@@ -306,8 +306,9 @@ def _self_draft(target, drafter, ids, expected, static: bool) -> str:
                 cache_config={**SELF_DRAFT, "static": static},
             )
         rounds = list(zip(stats.accepted_per_round, stats.proposed_per_round, strict=True))
-        if out.shape[1] < ids.shape[1] + NEW_TOKENS:  # it stopped at an EOS, in its last round: drafts past it count
-            rounds = rounds[:-1]  # as rejected whatever they are
+        # a call that stopped at an EOS did so in its last round, whose drafts past it count as rejected
+        if out.shape[1] < ids.shape[1] + NEW_TOKENS:
+            rounds = rounds[:-1]
         counts.extend([sum(a for a, _ in rounds), sum(p for _, p in rounds)])
         return torch.equal(out, expected)
 
