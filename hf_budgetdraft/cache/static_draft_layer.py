@@ -11,8 +11,8 @@ context grows. The step hands its `(q, slots)` visibility mask to the attention 
 kwargs (`STATIC_LAYER_KWARG`); only `attn_implementation="budgetdraft_varlen"` reads it, so a static cache refuses
 any other implementation (stock `sdpa`/`eager` would read stale slots), and model families whose attention does not
 pass its kwargs to `cache.update` (GPT-NeoX) or that add a position bias over the keys (Inkling: built on contiguous
-key positions, which the slots are not; the step refuses it) cannot run one. **Longer forwards** (the prefill, blocks of more than
-`slack` tokens) go through `DraftLayer`'s path and return `[visible past, new]`.
+key positions, which the slots are not; the step refuses it) cannot run one. **Longer forwards** (the prefill,
+blocks of more than `slack` tokens) go through `DraftLayer`'s path and return `[visible past, new]`.
 
 **No device reads on the host side.** The host keeps its own copy of the length and the ring's bookkeeping, so a
 crop, a block and the mask sizes never wait for the device. A compiled step cannot update a host count (the graph

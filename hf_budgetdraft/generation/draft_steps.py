@@ -86,7 +86,7 @@ class CompiledStep:
         try:
             logits = self.compiled(feed, positions).clone()
         except compiling_again_failed() as error:  # raised compiling again, before the graph ran
-            self._stop(f"{type(error).__name__}: {error}", "compiling the draft step again failed")
+            self._stop("compiling the draft step again failed", error=error)
             self.eager_calls += 1
             return self.fallback(feed, positions)
         self.compiled_calls += 1
@@ -95,8 +95,8 @@ class CompiledStep:
             self.graphs_compiled += new
             self.recompiles += new
             self._stop(
-                f"the step recompiled at call step {self.compiled_calls}: its inputs change from step to step",
                 "the compiled draft step recompiled",
+                f"at call step {self.compiled_calls}: its inputs change from step to step",
             )
         return logits
 
@@ -110,7 +110,7 @@ class CompiledStep:
         except Exception as error:  # any compiler failure; the eager step is the same computation
             if self._static_lengths() != lengths:
                 raise
-            self._stop(f"{type(error).__name__}: {error}", "compiling the draft step failed")
+            self._stop("compiling the draft step failed", error=error)
             self.eager_calls += 1
             return self.fallback(feed, positions)
         self.graphs_compiled += _graphs_compiled() - graphs
@@ -118,12 +118,15 @@ class CompiledStep:
         self.checked = True
         return logits
 
-    def _stop(self, failure: str, what: str) -> None:
-        self.failure = failure
+    def _stop(self, what: str, why: str = "", error: Exception | None = None) -> None:
+        """Draft eagerly from now on: `what` happened (`why`, or the `error` raised), warned once."""
+        self.failure = f"{type(error).__name__}: {error}" if error is not None else f"{what} {why}"
         logger.warning_once(
-            f"{what} ({failure}); drafting eagerly instead. Pass cache_config={{'compile': False}} to skip the attempt."
+            f"{what} ({self.failure}); drafting eagerly instead. Pass cache_config={{'compile': False}} to skip "
+            "the attempt."
         )
-        logger.debug(what, exc_info=True)
+        if error is not None:
+            logger.debug(what, exc_info=error)
 
     def _static_lengths(self) -> list[int]:
         return [
