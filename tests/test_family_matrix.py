@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 import transformers
+from resolved_plans import plan_for
 from tiny_families import ALL_FAMILIES, MORE_FAMILIES, family_pair, more_config
 from tiny_models import COMMON, random_prompt, skip_unless_static
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -23,6 +24,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 from hf_budgetdraft import BudgetedCache, SinkWindowCache, compat, query_capture, record_speculation
 from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, draft_cache, get_policy
 from hf_budgetdraft.compat import cache_kwargs
+from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
 from hf_budgetdraft.generation.windowed_mtp import windowed_mtp_cache
 
@@ -388,6 +390,25 @@ def test_all_sliding_drafter_cache_is_bounded_by_its_window():
     for context in (64, 256):
         cache = SinkWindowCache(model.config, window_length=8)
         model(random_prompt(context), **cache_kwargs(cache), use_cache=True)
+        sizes.append(cache.nbytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+@pytest.mark.parametrize("family", ["lfm2", "inkling", "gemma3", "cohere2"])
+@torch.no_grad()
+def test_the_draft_prefill_leaves_a_bounded_cache_on_every_family(family):
+    """Sliding windows and convolution states record their past for rollback, and a prefill's would be the whole
+    prompt's (4 times the bytes at 4 times the prompt); rollback never reaches into the prompt, so the drafter's
+    prefill keeps what the next step reads: the same bytes at either length."""
+    target, drafter = family_pair(family)
+    sizes = []
+    for context in (240, 960):
+        window = {"num_sink_tokens": 4, "window_length": 32, "static": False}
+        plan = plan_for(target, drafter, "sink_window", cache_config=window)
+        cache = plan.draft_cache(drafter)
+        compat.activate_past_recording(cache, recurrent_states_to_keep=plan.spec.slack)
+        with plan.drafting(drafter)():
+            DraftSteps.for_plan(plan, drafter, cache)(random_prompt(context), 0, None)
         sizes.append(cache.nbytes())
     assert sizes[0] == sizes[1] > 0
 

@@ -144,6 +144,16 @@ class SparseDraftCache(Cache):
                 )
         super().crop(tokens_to_remove)
 
+    def drop_prompt_past(self) -> None:
+        """After the drafter's prefill: transformers' own layers (sliding windows, convolution states) recorded the
+        whole prompt's past for a rollback that never reaches into the prompt; keep what the next step reads
+        (`crop(0)`), so the cache holds its bound from the prefill on, not from the first rollback."""
+        if any(
+            not isinstance(layer, DraftLayer) or isinstance(layer, LinearAttentionCacheLayerMixin)
+            for layer in self.layers
+        ):
+            self.crop(0)
+
     @property
     def is_linear(self) -> list[bool]:
         """Whether each layer holds a linear-attention state only (no keys), as transformers >= 5.24 decides it: a

@@ -22,7 +22,7 @@ import torch
 from transformers.utils import logging
 
 from ..attention.query_capture import query_capture
-from ..cache import BudgetedCache
+from ..cache import BudgetedCache, SparseDraftCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix, drafter_media
@@ -203,6 +203,8 @@ class Prefill:
         else:
             with query_capture(model) if self.capture_queries else contextlib.nullcontext():
                 logits = self.eager(feed, positions, mask)
+        if isinstance(cache, SparseDraftCache):
+            cache.drop_prompt_past()
         synchronize(feed.device)
         self.seconds += time.perf_counter() - start
         return logits
