@@ -8,6 +8,7 @@ import torch
 from compile_counter import graph_counter
 from resolved_plans import plan_for
 from test_device_rules import HostReads
+from tiny_families import family_pair
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
 from torch.overrides import TorchFunctionMode
 from torch_support import needs_traceable_transformers
@@ -105,6 +106,20 @@ def test_greedy_output_is_the_targets_own(family, cache):
     assert (
         0 < sum(stats.accepted_per_round) < sum(stats.proposed_per_round)
     )  # full, partial and no acceptance
+
+
+@pytest.mark.parametrize("family", ["lfm2", "gemma3", "cohere2"])
+def test_a_drafter_with_transformers_own_layers_rolls_back_in_the_device_round(family):
+    """Sliding windows and convolution states (transformers' layers) roll back from their recorded past: the device
+    round records it, as transformers' loop does (without, the first rollback raised), and drops the prompt's
+    past after the drafter's prefill."""
+    target, _ = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    _, drafter = family_pair(family)
+    ids = random_prompt(200, seed=2)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    out, stats = speculate(target, drafter, ids, "sink_window", {"draft_length": 4}, max_new_tokens=30)
+    assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+    assert stats.rounds > 5 and sum(stats.proposed_per_round) > sum(stats.accepted_per_round)
 
 
 @needs_traceable_transformers
