@@ -220,8 +220,10 @@ def test_a_drafter_with_a_relative_position_bias_drafts_on_the_dynamic_cache():
             cache_implementation="sink_window", cache_config=window,
         )  # fmt: skip
     assert torch.equal(out, _target_greedy("inkling"))
-    assert stats.plan.spec.static is False and "position bias" in stats.plan.reasons["static"]
+    assert stats.plan.spec.static is False
     assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
+    skip_unless_static(family_pair("glm4")[0])  # before 5.24 no family has a static draft cache
+    assert "position bias" in stats.plan.reasons["static"]
     with pytest.raises(ValueError, match="InklingAttention adds a position bias.*'static': False"):
         target.generate(
             random_prompt(PROMPT_LENGTH), assistant_model=target, max_new_tokens=4,
