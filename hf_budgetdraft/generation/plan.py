@@ -4,8 +4,8 @@
 `device_rules.py`, and `DraftPlan.reasons` says why each came out as it did. What the defaults turn on, and when:
 
 - **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
-  travels that way) and add no position bias over the keys (Inkling, ALiBi: built on contiguous key positions); the
-  drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+  travels that way) and add no position bias over the keys (Inkling's relative bias: built on contiguous key
+  positions); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
 - **compiled one-token draft step** (`compiled_step.py`, or the drafter's own `generation_config.compile_config`,
   which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation;
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
@@ -61,7 +61,7 @@ def _static_layer_problem(attention_class: type) -> str | None:
     if re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is None:
         return f"{attention_class.__name__} does not pass its kwargs to cache.update (the slot mask travels there)"
     if re.search(r"\bposition_bias=", source):
-        # Inkling's relative bias, ALiBi: built over `arange(kv_length) + kv_offset`, which a step's ring slots are not
+        # Inkling's relative bias: built over `arange(kv_length) + kv_offset`, which a step's ring slots are not
         return (
             f"{attention_class.__name__} adds a position bias built on contiguous key positions, which a static "
             f"cache's slots are not"

@@ -147,13 +147,23 @@ class StaticVerify:
         if compile_config is not None:
             self.compiled_fn, self.shapes = compiled_call(target, compile_config)
 
-    def _forward(self, fn, ids: torch.Tensor, start: int):
+    def _forward(self, fn, ids: torch.Tensor, start: int, **kwargs):
         """`fn(target, ...)` (`_call` or its compiled form) on `ids (1, n)` at positions `start ...`."""
         start += self.position_offset
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         return fn(
-            self.target, input_ids=ids, position_ids=positions, **cache_kwargs(self.cache), use_cache=True
+            self.target,
+            input_ids=ids,
+            position_ids=positions,
+            **cache_kwargs(self.cache),
+            use_cache=True,
+            **kwargs,
         ).logits
+
+    def _last_logits_only(self) -> dict:
+        """`logits_to_keep=1` where the target takes it: a prefill reads only its last position's logits, and the
+        prompt's `(P, V)` would dwarf its cache."""
+        return {"logits_to_keep": 1} if self.target._supports_logits_to_keep() else {}
 
     def prefill(self, ids: torch.Tensor, cached: int = 0, chunk: int | None = None) -> torch.Tensor:
         """Feed the prompt `ids (1, P)` past its first `cached` tokens (already `load`ed) eagerly, `chunk` tokens
@@ -161,7 +171,9 @@ class StaticVerify:
         chunk = chunk or PREFILL_CHUNK
         logits = None
         for start in range(cached, ids.shape[1], chunk):
-            logits = self._forward(_call, ids[:, start : start + chunk], start)[:, -1]
+            logits = self._forward(_call, ids[:, start : start + chunk], start, **self._last_logits_only())[
+                :, -1
+            ]
         return logits.float()
 
     def prefill_with(self, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
@@ -172,6 +184,7 @@ class StaticVerify:
         model_inputs = self.target.prepare_inputs_for_generation(
             ids, **cache_kwargs(self.cache), use_cache=True, is_first_iteration=True, **inputs
         )
+        model_inputs.update(self._last_logits_only())
         logits = self.target(**model_inputs).logits[:, -1]
         self.position_offset = position_offset(inputs, ids.shape[1])
         return logits.float()

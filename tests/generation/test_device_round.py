@@ -108,6 +108,22 @@ def test_greedy_output_is_the_targets_own(family, cache):
     )  # full, partial and no acceptance
 
 
+def test_the_prefill_computes_the_last_positions_logits_only():
+    """A prompt's `(P, V)` logits would dwarf its cache on a long prompt: each prefill chunk asks for one position,
+    each verification for all of its tokens."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    kept = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: kept.append(kwargs.get("logits_to_keep")), with_kwargs=True
+    )
+    try:
+        out, stats = speculate(target, drafter, random_prompt(150, seed=2), prefill_chunk_size=64)
+    finally:
+        hook.remove()
+    assert stats.runtime["loop"] == "device_round"
+    assert kept[:3] == [1, 1, 1] and set(kept[3:]) == {None}  # 150 tokens in chunks of 64, then the rounds
+
+
 @pytest.mark.parametrize("family", ["lfm2", "gemma3", "cohere2"])
 def test_a_drafter_with_transformers_own_layers_rolls_back_in_the_device_round(family):
     """Sliding windows and convolution states (transformers' layers) roll back from their recorded past: the device

@@ -349,10 +349,13 @@ def test_the_device_round_verifies_at_the_targets_own_positions(qwen2_vl, cuda_l
     prompt's multimodal positions, and each verification continues from its last."""
     target, drafter = qwen2_vl
     ids, inputs = qwen2_vl_prompt(5, image=True)
-    seen = []
-    hook = target.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs.get("position_ids")), with_kwargs=True
-    )
+    seen, kept = [], []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs.get("position_ids"))
+        kept.append(kwargs.get("logits_to_keep"))
+
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
     try:
         with record_speculation() as stats:
             speculate(target, drafter, ids, cache_config={"draft_length": 4, **cuda_loops}, **inputs)
@@ -360,6 +363,7 @@ def test_the_device_round_verifies_at_the_targets_own_positions(qwen2_vl, cuda_l
         hook.remove()
     assert stats.runtime["loop"] == "device_round"
     assert seen[0].shape == (4, 1, ids.shape[1])  # the prefill: the prompt's own positions
+    assert kept[0] == 1  # and its last position's logits only
     assert seen[1].flatten()[0].item() == ids.shape[1] - 2  # the first verification, at the prompt's end
 
 
