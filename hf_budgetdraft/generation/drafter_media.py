@@ -22,11 +22,10 @@ from contextvars import ContextVar
 import torch
 
 from ..compat import CACHE_KWARG
+from .model_inputs import TOKEN_TYPES  # which prompt tokens are image or video tokens
 from .prefilled import continues_a_prefix
 
 _KEPT: ContextVar[dict | None] = ContextVar("budgetdraft_drafter_media", default=None)
-# model inputs that mark which prompt tokens are image or video tokens: the drafter's prefill needs them as the target
-_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 
 def keep(before: dict, after: dict) -> None:
@@ -52,7 +51,7 @@ def for_drafter(drafter, model_kwargs: dict) -> dict:
     media = {name: value for name, value in kept.items() if name in accepted}
     if not media:
         return {}
-    types = {name: model_kwargs[name] for name in _TOKEN_TYPES if name in accepted and name in model_kwargs}
+    types = {name: model_kwargs[name] for name in TOKEN_TYPES if name in accepted and name in model_kwargs}
     return {**media, **{name: value for name, value in types.items() if value is not None}}
 
 
@@ -60,7 +59,7 @@ def fitted(media: dict, length: int) -> dict:
     """`media` for a prefill of `length` tokens: the prompt's token types `(1, L)` marked text (0) on the tokens
     past the prompt (the device round's drafter reads the target's first token with the prompt)."""
     fitted = dict(media)
-    for name in _TOKEN_TYPES:
+    for name in TOKEN_TYPES:
         types = media.get(name)
         if isinstance(types, torch.Tensor) and types.shape[-1] < length:
             fitted[name] = torch.nn.functional.pad(types, (0, length - types.shape[-1]))

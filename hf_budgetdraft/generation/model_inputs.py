@@ -39,8 +39,9 @@ _CARRIED = frozenset(
         "return_dict",
     }
 )
-# token types that mark every token as text (all zeros) change nothing a loop of ours computes
-_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+# the inputs that mark which prompt tokens are image or video tokens; all zeros (text only) change nothing a loop
+# of ours computes
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 
 def uncarried_inputs(kwargs: dict, input_ids: torch.LongTensor | None) -> list[str]:
@@ -50,7 +51,7 @@ def uncarried_inputs(kwargs: dict, input_ids: torch.LongTensor | None) -> list[s
     for name, value in kwargs.items():
         if name in _CARRIED or _empty(value):
             continue
-        if name in _TOKEN_TYPES and isinstance(value, torch.Tensor) and not bool(value.any()):
+        if name in TOKEN_TYPES and isinstance(value, torch.Tensor) and not bool(value.any()):
             continue
         if name == "position_ids" and _counted_along_rows(value, kwargs.get("attention_mask"), input_ids):
             continue
@@ -101,7 +102,7 @@ def prompt_only_inputs(kwargs: dict, input_ids: torch.LongTensor | None) -> dict
         prompt_long = isinstance(value, torch.Tensor) and value.shape[-1] == length
         if (
             name in MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
-            or (name in _TOKEN_TYPES and prompt_long and value.dim() == 2)
+            or (name in TOKEN_TYPES and prompt_long and value.dim() == 2)
             or (name == "position_ids" and prompt_long and value.dim() == 3)
         ):
             kept[name] = value
