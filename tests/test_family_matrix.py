@@ -9,6 +9,7 @@ all-sliding rule, stateful drafters refused, queries captured from attention tha
 interface.
 """
 
+import copy
 import functools
 import logging
 
@@ -309,11 +310,8 @@ def test_a_drafter_scoring_every_past_position_is_refused():
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("cache_name", ["budgeted", "sink_window"])
-def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
-    """Gemma 4 layers past the KV-sharing point read an earlier layer's keys/values (transformers 5.25 gives them a
-    "dummy" cache layer, earlier releases none): as target and drafter, one sequence and a padded batch (its target
-    prefilled in chunks) give the target's own greedy output."""
+def _kv_sharing_gemma4():
+    """A tiny Gemma 4 whose last two layers reuse the keys/values of the two before them."""
     shape = dict(
         COMMON, head_dim=16, sliding_window=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16
     )
@@ -322,9 +320,18 @@ def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
     )
     config = AutoConfig.for_model("gemma4_text", **shape, **layers)
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(3.0)
+        model.get_output_embeddings().weight.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("cache_name", ["budgeted", "sink_window"])
+def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
+    """Gemma 4 layers past the KV-sharing point read an earlier layer's keys/values (transformers 5.25 gives them a
+    "dummy" cache layer, earlier releases none): as target and drafter, one sequence and a padded batch (its target
+    prefilled in chunks) give the target's own greedy output."""
+    target = _kv_sharing_gemma4()
     sizes = {
         "sink_window": {"num_sink_tokens": 4, "window_length": 24},
         "budgeted": {"budget": 32, "window_length": 8},
@@ -341,6 +348,29 @@ def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
         with record_speculation() as stats:
             out = target.generate(rows.masked_fill(mask[: len(rows)] == 0, 0), **sparse, **call)
         assert torch.equal(out, expected) and stats.rounds > 0
+
+
+def test_a_kv_sharing_drafter_drafts_on_the_dynamic_storage_only():
+    """A reusing layer reads the storing layer's keys without the slot mask a static step hands that layer's
+    attention alone: over a static cache it read stale and empty slots. The plan keeps such a drafter dynamic, where a
+    copy of the target covering the call accepts every draft; a static cache is refused with the reason."""
+    target = _kv_sharing_gemma4()
+    drafter = copy.deepcopy(target)
+    ids = random_prompt(160, seed=1).clamp(min=3)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=24)
+    with record_speculation() as stats:
+        out = target.generate(
+            ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, cache_implementation="sink_window",
+            cache_config={"num_sink_tokens": 4, "window_length": 1024, "draft_length": 4},
+        )  # fmt: skip
+    assert torch.equal(out, expected)
+    assert stats.plan.spec.static is False and "reuses earlier layers' keys" in stats.plan.reasons["static"]
+    assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
+    with pytest.raises(ValueError, match="static=True cannot run on Gemma4ForCausalLM: 'gemma4_text' reuses"):
+        plan_for(target, drafter, cache_config={"static": True})
+    drafter.set_attn_implementation("budgetdraft_varlen")
+    with pytest.raises(ValueError, match="static=True cannot hold this model's keys"):
+        SinkWindowCache(drafter.config, static=True)
 
 
 # -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------

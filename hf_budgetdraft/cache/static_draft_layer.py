@@ -39,7 +39,23 @@ def check_static_flag(static, config: PreTrainedConfig) -> None:
         raise TypeError(f"static must be a bool, got {type(static).__name__} ({static!r})")
     # (a config of the wrong type is refused, with its own message, by SparseDraftCache)
     if static and isinstance(config, PreTrainedConfig):
-        check_static_attention(config.get_text_config(decoder=True))
+        text_config = config.get_text_config(decoder=True)
+        if problem := kv_sharing_problem(text_config):
+            raise ValueError(f"static=True cannot hold this model's keys: {problem}. Use static=False")
+        check_static_attention(text_config)
+
+
+def kv_sharing_problem(config: PreTrainedConfig) -> str | None:
+    """Why a model whose later layers reuse an earlier layer's keys (Gemma 3n, Gemma 4) cannot read a static draft
+    cache (`None`: it shares none): a reusing layer attends over the storing layer's slot buffers without their
+    slot mask, which only the storing layer's attention receives."""
+    modes = getattr(config, "kv_sharing_modes", None) or ()
+    if "reuse" in modes or (getattr(config, "num_kv_shared_layers", 0) or 0) > 0:
+        return (
+            f"{config.model_type!r} reuses earlier layers' keys in later layers, which would read a static cache's "
+            "slots without their slot mask"
+        )
+    return None
 
 
 def check_static_attention(config: PreTrainedConfig) -> None:
