@@ -34,9 +34,11 @@ def ragged_rows(cache) -> Iterator[None]:
 def active_row_spans(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> list | None:
     """`[(L_b, n_b)] * B` for this attention call when it can attend row by row (a CPU forward of the active ragged
     cache, at a layer whose keys are position-indexed full attention), else `None` (the masked path)."""
+    if query.device.type != "cpu" or torch.compiler.is_compiling():
+        return None  # (read first: a compiled graph never reaches the ContextVar, which dynamo cannot trace)
     cache = _active.get()
     layer_idx = getattr(module, "layer_idx", None)
-    if cache is None or layer_idx is None or query.device.type != "cpu":
+    if cache is None or layer_idx is None:
         return None
     spans = cache.row_spans(layer_idx)
     if spans is None or len(spans) != query.shape[0] or key.shape[0] != query.shape[0]:

@@ -3,7 +3,7 @@
 `BudgetedCache`, with MTP / DFlash forms (`WindowedMtpCache`, `WindowedDFlashCache`). The target keeps
 `GrowableCache`, a full cache."""
 
-from .draft_cache import BudgetedCache, SinkWindowCache, SparseDraftCache
+from .draft_cache import BudgetedCache, SinkWindowCache, SparseDraftCache, has_fixed_shape_steps
 from .draft_head_caches import WindowedDFlashCache, WindowedMtpCache
 from .draft_layer import DraftLayer
 from .growable import GrowableCache, GrowableLayer, is_full_attention_only
@@ -19,6 +19,7 @@ from .policies import (
 from .selection import BudgetSelection, Selection, SinkSelection
 from .sizes import cache_nbytes
 from .static_draft_layer import StaticDraftLayer
+from .static_sliding_layer import StaticSlidingLayer
 
 __all__ = [
     "POLICIES",
@@ -36,10 +37,12 @@ __all__ = [
     "SnapKVPolicy",
     "SparseDraftCache",
     "StaticDraftLayer",
+    "StaticSlidingLayer",
     "StreamingPolicy",
     "WindowedDFlashCache",
     "WindowedMtpCache",
     "cache_nbytes",
     "get_policy",
+    "has_fixed_shape_steps",
     "is_full_attention_only",
 ]

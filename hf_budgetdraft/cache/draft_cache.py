@@ -22,6 +22,7 @@ from .policies import KeepPolicy
 from .selection import BudgetSelection, Selection, SinkSelection
 from .sizes import cache_nbytes, check_size
 from .static_draft_layer import StaticDraftLayer, check_static_flag
+from .static_sliding_layer import StaticSlidingLayer
 
 logger = logging.get_logger(__name__)
 
@@ -49,7 +50,8 @@ class SparseDraftCache(Cache):
         slack (`int`): extra ring slots; the longest draft round that can be rolled back.
         static (`bool`, defaults to `False`): `StaticDraftLayer`s, whose one-token step has fixed shapes
             (`torch.compile` / CUDA graphs); needs the model to run `attn_implementation="budgetdraft_varlen"`. Same
-            keys, same outputs as the dynamic `DraftLayer`s.
+            keys, same outputs as the dynamic `DraftLayer`s. The model's own sliding layers become
+            `StaticSlidingLayer`s (its window as a fixed-shape ring) so that every step has fixed shapes.
 
     A full-attention layer gets a draft layer; a `"hybrid"` layer (attention and a short convolution in one
     decoder layer, e.g. Inkling) gets it plus transformers' convolution state (`with_linear_state`). Every other
@@ -60,7 +62,7 @@ class SparseDraftCache(Cache):
 
     All-sliding drafters: a model with no full-attention layer (Mistral with `sliding_window` on every layer, the
     sliding MTP layer of Mellum) has nothing to sparsify. It runs on its own cache, exactly as stock assisted
-    generation runs it, and this is logged once. The requested window is never applied to a sliding layer, smaller
+    generation runs it (static: on `StaticSlidingLayer`s), and this is logged once. The requested window is never applied to a sliding layer, smaller
     or larger than the model's own: a sliding layer reads what the model was trained to read, at a cost bounded by
     its own window.
 
@@ -95,9 +97,12 @@ class SparseDraftCache(Cache):
         def make_layer(idx: int) -> DraftLayer:
             return layer_class(selection, window_length, slack, layer_idx=idx)
 
+        def make_sliding_layer(idx: int, sliding_window: int) -> StaticSlidingLayer | None:
+            return StaticSlidingLayer(sliding_window, slack, layer_idx=idx) if static else None
+
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = [
-            _make_cache_layer(idx, layer_type, kwargs, make_layer, config.model_type)
+            _make_cache_layer(idx, layer_type, kwargs, make_layer, make_sliding_layer, config.model_type)
             for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
         _log_what_is_not_sparsified(type(self).__name__, config.model_type, layer_types, layers)
@@ -114,7 +119,9 @@ class SparseDraftCache(Cache):
     def can_skip(self) -> bool:
         """Whether `skip` applies: every layer is a draft layer whose selection allows it (a sink); a model's own
         sliding layers keep theirs."""
-        return self.selection.can_skip and all(isinstance(layer, DraftLayer) for layer in self.layers)
+        return self.selection.can_skip and all(
+            isinstance(layer, DraftLayer) and not layer.is_sliding for layer in self.layers
+        )
 
     def skip(self, count: int) -> None:
         """Advance every layer over `count` positions nothing will read: a draft head catching up on a long block
@@ -248,7 +255,7 @@ def check_scores_read_a_subset(config: PreTrainedConfig) -> None:
 def _log_what_is_not_sparsified(
     cache_name: str, model_type: str, layer_types: list[str], layers: list
 ) -> None:
-    if not any(isinstance(layer, DraftLayer) for layer in layers):
+    if not any(isinstance(layer, DraftLayer) and not layer.is_sliding for layer in layers):
         logger.warning_once(
             f"{cache_name}: {model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}), so "
             "nothing is sparsified: the draft runs on the model's own cache, as stock assisted generation does"
@@ -260,12 +267,33 @@ def _log_what_is_not_sparsified(
         )
 
 
-def _make_cache_layer(idx: int, layer_type: str, kwargs: dict, make_layer: Callable, model_type: str):
-    """Layer `idx` of a sparse draft cache: `make_layer(idx)` for full attention, transformers' own otherwise."""
+FIXED_SHAPE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def has_fixed_shape_steps(config: PreTrainedConfig) -> bool:
+    """Whether every layer of `config`'s decoder gets a fixed-shape step on a static draft cache: full attention (a
+    `StaticDraftLayer`) and sliding windows (a `StaticSlidingLayer`); no convolution or recurrent state, whose
+    transformers layers grow between rollbacks."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return all(layer_type in FIXED_SHAPE_LAYER_TYPES for layer_type in layer_types)
+
+
+def _make_cache_layer(
+    idx: int,
+    layer_type: str,
+    kwargs: dict,
+    make_layer: Callable,
+    make_sliding_layer: Callable,
+    model_type: str,
+):
+    """Layer `idx` of a sparse draft cache: `make_layer(idx)` for full attention, a fixed-shape sliding layer
+    (`make_sliding_layer`, static storage only) for a sliding window, transformers' own otherwise."""
     if layer_type == "full_attention":
         return make_layer(idx)
     if layer_type == "hybrid":
         return with_linear_state(make_layer(idx), **kwargs)
+    if layer_type == "sliding_attention" and (layer := make_sliding_layer(idx, kwargs["sliding_window"])):
+        return layer
     if layer_type in NATIVE_LAYER_TYPES:
         return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
     raise ValueError(

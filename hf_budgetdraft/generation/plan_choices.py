@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import CompileConfig, GenerationConfig
 
-from ..cache import is_full_attention_only
+from ..cache import has_fixed_shape_steps, is_full_attention_only
 from ..cpu import lean_step_problem
 from .compiled_step import compile_pays, draft_step_compile_config
 from .device_rules import DeviceRules
@@ -108,13 +108,13 @@ def compile_choice(
         return False, config, "the draft cache is not static"
     if compiled != AUTO:
         return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
-    if not is_full_attention_only(drafter.config):
-        # sliding windows and convolution states kept (with their past, for rollback) in transformers' own layers
+    if not has_fixed_shape_steps(drafter.config):
+        # convolution / recurrent states kept (with their past, for rollback) in transformers' own layers
         return (
             False,
             config,
-            "the drafter has layers besides full attention, whose caches change shape from step to step: a "
-            "compiled step would recompile at each",
+            "the drafter has layers besides attention (convolution or recurrent states), whose caches change shape "
+            "from step to step: a compiled step would recompile at each",
         )
     if rules.compile_from_first_call:
         return True, config, rules.reasons["compile_from_first_call"]

@@ -151,15 +151,33 @@ def test_a_step_whose_inputs_change_shape_drafts_eagerly_after_its_first_recompi
     assert "the compiled draft step recompiled" in caplog.text
 
 
-@pytest.mark.parametrize("family", ["lfm2", "gemma3", "cohere2"])
-def test_the_plan_compiles_no_step_of_a_drafter_with_layers_besides_full_attention(family):
-    """Their layers keep transformers' caches (sliding windows, convolution states), whose shapes change from step
-    to step: not even CUDA's rule compiles their step from the first call."""
+def _plans_on_cpu_and_cuda(family: str):
     target, drafter = family_pair(family)
     plan = plan_for(target, drafter, cache_config={"static": True})
     with pytest.MonkeyPatch.context() as patch:
         cuda = device_rules("cuda")
         patch.setattr(plan_module, "device_rules", lambda device, dtype=torch.float32: cuda)
-        on_cuda = plan_for(target, drafter, cache_config={"static": True})
-    for resolved in (plan, on_cuda):
-        assert resolved.spec.compile is False and "besides full attention" in resolved.reasons["compile"]
+        return plan, plan_for(target, drafter, cache_config={"static": True})
+
+
+def test_the_plan_compiles_no_step_of_a_drafter_with_a_convolution_state():
+    """LFM2's convolution layers keep transformers' cache, whose shape changes from step to step: not even CUDA's
+    rule compiles its step from the first call."""
+    for resolved in _plans_on_cpu_and_cuda("lfm2"):
+        assert resolved.spec.compile is False and "besides attention" in resolved.reasons["compile"]
+
+
+@needs_traceable_transformers
+@pytest.mark.parametrize("family", ["gemma3", "cohere2", "mistral-all-sliding"])
+def test_a_drafter_with_sliding_layers_compiles_one_graph_on_cudas_setting(fresh_dynamo, family):
+    """On a static draft cache a drafter's own sliding layers are fixed-shape rings: CUDA's rule compiles the step
+    from the first call, one whole graph a process, none in a later call, and the output is the target's own."""
+    assert _plans_on_cpu_and_cuda(family)[1].spec.compile is True
+    config, graphs = _fullgraph_counter()
+    pair = family_pair(family)
+    first, second = (_speculate_compiled(family, config, {"lean_step": False}, pair) for _ in range(2))
+    assert first.plan.spec.static and first.plan.spec.compile
+    first, second = first.runtime["draft_step"], second.runtime["draft_step"]
+    assert first["graphs_compiled"] == len(graphs) == 1 and first["recompiles"] == 0
+    assert second["graphs_compiled"] == second["recompiles"] == 0 and second["eager_calls"] == 0
+    assert second["compiled_calls"] > 0 and first["failure"] is second["failure"] is None
