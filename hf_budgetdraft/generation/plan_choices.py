@@ -118,6 +118,9 @@ def compile_choice(
         )
     if rules.compile_from_first_call:
         return True, config, rules.reasons["compile_from_first_call"]
+    if not is_full_attention_only(drafter.config):
+        # the saving `compile_pays` expects was measured on full-attention drafters
+        return False, config, "a compiled step of a drafter with sliding layers has no measured saving here"
     pays = compile_pays(drafter, config, lean)
     return pays, config, rules.reasons["compile_from_first_call"] + ("" if pays else " (not yet)")
 
