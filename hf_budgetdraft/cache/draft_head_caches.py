@@ -11,7 +11,7 @@
 Either way the draft's attention cost and memory stop growing with context, and the target still verifies every
 token with full attention (lossless by construction); a window covering the whole context reproduces the native
 head exactly. Sliding-window layers (Mellum's `mtp_layer_types=["sliding_attention"]`, DFlash's sliding layers)
-keep transformers' own layer, as every `SparseDraftCache` does: they are bounded already. `generate()`'s
+keep transformers' own layer, as every dynamic `SparseDraftCache` does: they are bounded already. `generate()`'s
 `cache_config` becomes one of these in `generation.windowed_mtp.windowed_mtp_cache` / `generation.dflash.windowed_dflash_cache`.
 """
 
@@ -24,7 +24,7 @@ class WindowedMtpCache(SinkWindowCache):
     """`MtpCache` semantics (depth-k queries and keys sit k+1 positions ahead) on sink + window ring layers.
 
     An MTP layer that is natively sliding (Mellum's `mtp_layer_types=["sliding_attention"]`) keeps its own
-    sliding-window layer, as every `SparseDraftCache` keeps sliding layers: it is already bounded, so the
+    sliding-window layer, as every dynamic `SparseDraftCache` keeps sliding layers: it is already bounded, so the
     requested window is not applied to it (a Mellum head drafts exactly as native MTP does, and this is logged).
     """
 
