@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from resolved_plans import plan_for
-from tiny_families import ALL_FAMILIES, MORE_FAMILIES, family_pair, more_config
+from tiny_families import ALL_FAMILIES, MORE_FAMILIES, family_pair, kv_sharing_model, more_config
 from tiny_models import COMMON, random_prompt, skip_unless_static
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
@@ -27,6 +27,7 @@ from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, draft_cache, get_
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
+from hf_budgetdraft.generation.plan import supports_static_cache
 from hf_budgetdraft.generation.windowed_mtp import windowed_mtp_cache
 
 PROMPT_LENGTH, NEW_TOKENS = 240, 32
@@ -310,28 +311,12 @@ def test_a_drafter_scoring_every_past_position_is_refused():
             )  # fmt: skip
 
 
-def _kv_sharing_gemma4():
-    """A tiny Gemma 4 whose last two layers reuse the keys/values of the two before them."""
-    shape = dict(
-        COMMON, head_dim=16, sliding_window=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16
-    )
-    layers = dict(
-        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
-    )
-    config = AutoConfig.for_model("gemma4_text", **shape, **layers)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(3.0)
-    return model
-
-
 @pytest.mark.parametrize("cache_name", ["budgeted", "sink_window"])
 def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
     """Gemma 4 layers past the KV-sharing point read an earlier layer's keys/values (transformers 5.25 gives them a
     "dummy" cache layer, earlier releases none): as target and drafter, one sequence and a padded batch (its target
     prefilled in chunks) give the target's own greedy output."""
-    target = _kv_sharing_gemma4()
+    target = kv_sharing_model()
     sizes = {
         "sink_window": {"num_sink_tokens": 4, "window_length": 24},
         "budgeted": {"budget": 32, "window_length": 8},
@@ -350,27 +335,37 @@ def test_a_kv_sharing_model_drafts_single_and_batched(cache_name):
         assert torch.equal(out, expected) and stats.rounds > 0
 
 
-def test_a_kv_sharing_drafter_drafts_on_the_dynamic_storage_only():
-    """A reusing layer reads the storing layer's keys without the slot mask a static step hands that layer's
-    attention alone: over a static cache it read stale and empty slots. The plan keeps such a drafter dynamic, where a
-    copy of the target covering the call accepts every draft; a static cache is refused with the reason."""
-    target = _kv_sharing_gemma4()
-    drafter = copy.deepcopy(target)
-    ids = random_prompt(160, seed=1).clamp(min=3)
+@pytest.mark.parametrize("model_type", ["gemma4_text", "gemma3n_text"])
+@pytest.mark.parametrize(
+    "window_length", [1024, 24]
+)  # covering the call; shorter than the prompt (rings wrap)
+def test_a_kv_sharing_drafter_reads_the_same_keys_on_both_storages(model_type, window_length):
+    """A reusing layer attends over the keys its storing layer's step returned: on a static cache, that layer's slot
+    buffers, whose slot mask only that layer's attention receives; the reusing layer finds it through the buffer.
+    Both storages then draft round for round alike (before, a wrapped ring was read as if slot = position), and a
+    window covering the call accepts every draft."""
+    target = kv_sharing_model(model_type)
+    if not supports_static_cache(target):
+        pytest.skip(f"{model_type}'s attention passes no kwargs to the cache in this transformers release")
+    ids = random_prompt(160, seed=1).clamp(min=3)  # no pad ids
     expected = target.generate(ids, do_sample=False, max_new_tokens=24)
-    with record_speculation() as stats:
-        out = target.generate(
-            ids, assistant_model=drafter, do_sample=False, max_new_tokens=24, cache_implementation="sink_window",
-            cache_config={"num_sink_tokens": 4, "window_length": 1024, "draft_length": 4},
-        )  # fmt: skip
-    assert torch.equal(out, expected)
-    assert stats.plan.spec.static is False and "reuses earlier layers' keys" in stats.plan.reasons["static"]
-    assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
-    with pytest.raises(ValueError, match="static=True cannot run on Gemma4ForCausalLM: 'gemma4_text' reuses"):
-        plan_for(target, drafter, cache_config={"static": True})
-    drafter.set_attn_implementation("budgetdraft_varlen")
-    with pytest.raises(ValueError, match="static=True cannot hold this model's keys"):
-        SinkWindowCache(drafter.config, static=True)
+    rounds = {}
+    for static in (False, True):
+        with record_speculation() as stats:
+            out = target.generate(
+                ids, assistant_model=copy.deepcopy(target), do_sample=False, max_new_tokens=24,
+                cache_implementation="sink_window",
+                cache_config={"num_sink_tokens": 4, "window_length": window_length, "draft_length": 4,
+                              "static": static},
+            )  # fmt: skip
+        assert torch.equal(out, expected) and stats.plan.spec.static is static
+        rounds[static] = stats.accepted_per_round, stats.proposed_per_round
+    assert rounds[True] == rounds[False]
+    accepted, proposed = rounds[True]
+    if window_length > ids.shape[1]:
+        assert sum(accepted) == sum(proposed) > 0
+    else:  # the check can fail: the sparse draft both agreed and disagreed with the target
+        assert 0 < sum(accepted) < sum(proposed)
 
 
 # -- all-sliding drafters: their own bounded cache, logged once ------------------------------------------------------

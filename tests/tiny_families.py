@@ -128,3 +128,21 @@ def family_pair(family: str, attention: str | None = None, num_assistant_tokens:
     config.num_assistant_tokens_schedule = "constant"
     config.assistant_confidence_threshold = 0.0
     return target, drafter
+
+
+def kv_sharing_model(model_type: str = "gemma4_text"):
+    """A tiny Gemma 4 (or Gemma 3n) whose last two layers reuse the keys/values of the two before them."""
+    shape = dict(
+        COMMON, head_dim=16, sliding_window=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16
+    )
+    layers = dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2
+    )
+    if model_type == "gemma3n_text":
+        layers["activation_sparsity_pattern"] = [0.0] * 4
+    config = AutoConfig.for_model(model_type, **shape, **layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    return model

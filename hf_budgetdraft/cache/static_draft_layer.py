@@ -8,11 +8,12 @@ A **step** of `q <= slack` tokens after the prefill (a one-token decode step, an
 verified tokens) writes each new key into its slot and returns the whole `(B, H_kv, S + W + slack, D)` buffers — no
 copy of the window — so a compiled step (`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the
 context grows. The step hands its `(q, slots)` visibility mask to the attention function through the attention
-kwargs (`STATIC_LAYER_KWARG`); only `attn_implementation="budgetdraft_varlen"` reads it, so a static cache refuses
-any other implementation (stock `sdpa`/`eager` would read stale slots), and model families whose attention does not
-pass its kwargs to `cache.update` (GPT-NeoX) or that add a position bias over the keys (Inkling: built on contiguous
-key positions, which the slots are not; the step refuses it) cannot run one. **Longer forwards** (the prefill,
-blocks of more than `slack` tokens) go through `DraftLayer`'s path and return `[visible past, new]`.
+kwargs (`STATIC_LAYER_KWARG`; a layer reusing these keys, past Gemma 3n / Gemma 4's KV-sharing point, finds the
+layer through its key buffer, `KEYS_OWNER`); only `attn_implementation="budgetdraft_varlen"` reads it, so a static
+cache refuses any other implementation (stock `sdpa`/`eager` would read stale slots), and model families whose
+attention does not pass its kwargs to `cache.update` (GPT-NeoX) or that add a position bias over the keys (Inkling:
+built on contiguous key positions, which the slots are not; the step refuses it) cannot run one. **Longer forwards**
+(the prefill, blocks of more than `slack` tokens) go through `DraftLayer`'s path and return `[visible past, new]`.
 
 **No device reads on the host side.** The host keeps its own copy of the length and the ring's bookkeeping, so a
 crop, a block and the mask sizes never wait for the device. A compiled step cannot update a host count (the graph
@@ -26,8 +27,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedConfig
 
+from ..attention.varlen import KEYS_OWNER, STATIC_LAYER_KWARG
 from ..attention.varlen import NAME as VARLEN_NAME
-from ..attention.varlen import STATIC_LAYER_KWARG
 from .draft_layer import DraftLayer
 from .selection import Selection
 from .slot_layout import static_marks
@@ -39,23 +40,7 @@ def check_static_flag(static, config: PreTrainedConfig) -> None:
         raise TypeError(f"static must be a bool, got {type(static).__name__} ({static!r})")
     # (a config of the wrong type is refused, with its own message, by SparseDraftCache)
     if static and isinstance(config, PreTrainedConfig):
-        text_config = config.get_text_config(decoder=True)
-        if problem := kv_sharing_problem(text_config):
-            raise ValueError(f"static=True cannot hold this model's keys: {problem}. Use static=False")
-        check_static_attention(text_config)
-
-
-def kv_sharing_problem(config: PreTrainedConfig) -> str | None:
-    """Why a model whose later layers reuse an earlier layer's keys (Gemma 3n, Gemma 4) cannot read a static draft
-    cache (`None`: it shares none): a reusing layer attends over the storing layer's slot buffers without their
-    slot mask, which only the storing layer's attention receives."""
-    modes = getattr(config, "kv_sharing_modes", None) or ()
-    if "reuse" in modes or (getattr(config, "num_kv_shared_layers", 0) or 0) > 0:
-        return (
-            f"{config.model_type!r} reuses earlier layers' keys in later layers, which would read a static cache's "
-            "slots without their slot mask"
-        )
-    return None
+        check_static_attention(config.get_text_config(decoder=True))
 
 
 def check_static_attention(config: PreTrainedConfig) -> None:
@@ -92,6 +77,7 @@ class StaticDraftLayer(DraftLayer):
         self.ring_start = torch.full((), self.ring.start, **long)
         self.slot_positions = torch.full((self.num_slots,), -1, **long)
         self._offsets = torch.arange(self.slack, **long)  # a step's tokens sit at length + offsets[:q]
+        setattr(self.keys, KEYS_OWNER, self)  # a layer reusing these keys finds their slot mask through them
         if (
             not torch.compiler.is_compiling()
         ):  # fixed data pointers: in-place updates never break a CUDA graph
@@ -169,6 +155,11 @@ class StaticDraftLayer(DraftLayer):
         """Called by the attention function of the step that just ran `update`: `(1, 1, q, S + W + slack)`, the mask
         of its `q` queries."""
         self._awaiting_attention = False
+        return self.step_key_mask()
+
+    def step_key_mask(self) -> torch.Tensor:
+        """`(1, 1, q, S + W + slack)`: the mask of the last step's `q` queries (also read by layers that reuse this
+        layer's keys: Gemma 3n / Gemma 4 past their KV-sharing point)."""
         return self.key_mask(self.length - self._step_tokens + self._offsets[: self._step_tokens])
 
     # -- device bookkeeping beside the host's ------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from transformers import CompileConfig, GenerationConfig
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.scoped import attention_scope, using_attention
 from ..attention.varlen import NAME as VARLEN
-from ..cache.static_draft_layer import kv_sharing_problem
 from ..cpu import few_row_linear_applies, few_row_linears
 from .device_rules import device_rules
 from .plan_choices import (
@@ -77,8 +76,6 @@ def static_cache_problem(model) -> str | None:
     }
     if not classes:
         return f"{type(model).__name__} has no attention layers with a layer_idx"
-    if problem := kv_sharing_problem(model.config.get_text_config(decoder=True)):
-        return problem
     return next((problem for c in classes if (problem := _static_layer_problem(c))), None)
 
 

@@ -4,7 +4,7 @@ layers read, step by step and block by block, and roll back exactly."""
 import pytest
 import torch
 from tiny_families import family_pair
-from tiny_models import random_prompt
+from tiny_models import random_prompt, skip_unless_static
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -28,6 +28,7 @@ def test_sliding_layers_read_what_the_models_own_cache_reads_and_roll_back_exact
     """A covering draft window keeps every key of the full layers, so every logit must be the model's own: steps of
     one token and of a block (each query's window ends at that query), after drafts rolled back past the ring."""
     model, _ = family_pair(family)
+    skip_unless_static(model)
     reference = DynamicCache(config=model.config)
     model.set_attn_implementation(VARLEN)
     cache = SinkWindowCache(model.config, num_sink_tokens=4, window_length=1024, slack=8, static=True)

@@ -1,13 +1,14 @@
 """The draft's step objects against the drafter's own forward: each writes the draft cache as that forward would and
 returns its logits; `DraftSteps.for_plan` picks them from the plan once per call."""
 
+import copy
 import logging
 
 import pytest
 import torch
 from compile_counter import graph_counter
 from resolved_plans import plan_for
-from tiny_families import family_pair
+from tiny_families import family_pair, kv_sharing_model
 from tiny_models import model_pair, random_prompt
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
@@ -23,6 +24,7 @@ from hf_budgetdraft.generation.draft_steps import (
     ForwardStep,
     Prefill,
 )
+from hf_budgetdraft.generation.plan import supports_static_cache
 from hf_budgetdraft.generation.spec import DraftSpec
 
 
@@ -183,3 +185,35 @@ def test_a_drafter_with_sliding_layers_compiles_one_graph_on_cudas_setting(fresh
     assert first["graphs_compiled"] == len(graphs) == 1 and first["recompiles"] == 0
     assert second["graphs_compiled"] == second["recompiles"] == 0 and second["eager_calls"] == 0
     assert second["compiled_calls"] > 0 and first["failure"] is second["failure"] is None
+
+
+@needs_traceable_transformers
+def test_a_drafter_whose_layers_reuse_keys_compiles_one_graph_and_drafts_as_on_the_dynamic_storage(
+    fresh_dynamo,
+):
+    """Gemma 4 past its KV-sharing point attends over an earlier layer's slot buffers and finds their slot mask
+    through them: CUDA's whole-graph setting traces that in one graph, and each round drafts what the dynamic
+    storage drafts (a window shorter than the prompt: the rings wrap)."""
+    target = kv_sharing_model()
+    if not supports_static_cache(target):
+        pytest.skip("Gemma 4's attention passes no kwargs to the cache in this transformers release")
+    config, graphs = _fullgraph_counter()
+    rounds = []
+    for static, compile_config in ((False, None), (True, config)):
+        drafter = copy.deepcopy(target)
+        drafter.generation_config.compile_config = compile_config
+        with record_speculation() as stats:
+            target.generate(
+                random_prompt(160, seed=1).clamp(min=3), assistant_model=drafter, do_sample=False,
+                max_new_tokens=24, cache_implementation="sink_window",
+                cache_config={"num_sink_tokens": 4, "window_length": 24, "draft_length": 4, "static": static},
+            )  # fmt: skip
+        rounds.append(stats.accepted_per_round)
+    record = stats.runtime["draft_step"]
+    assert (
+        stats.plan.spec.compile
+        and record["graphs_compiled"] == len(graphs) == 1
+        and record["recompiles"] == 0
+    )
+    assert record["eager_calls"] == 0 and record["compiled_calls"] > 0
+    assert rounds[0] == rounds[1] and sum(rounds[1]) > 0

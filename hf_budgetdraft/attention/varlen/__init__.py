@@ -21,6 +21,7 @@ from .backends import (
     use_backend,
 )
 from .interface import (
+    KEYS_OWNER,
     NAME,
     STATIC_LAYER_KWARG,
     budgetdraft_varlen_attention_forward,
@@ -32,6 +33,7 @@ from .packing import PackedKeys, check_key_valid, pack_keys, pack_queries, unpac
 
 __all__ = [
     "BACKENDS",
+    "KEYS_OWNER",
     "NAME",
     "STATIC_LAYER_KWARG",
     "PackedKeys",

@@ -38,6 +38,7 @@ from .kernels import sparse_varlen_attention
 
 NAME = "budgetdraft_varlen"
 STATIC_LAYER_KWARG = "budgetdraft_static_layer"  # attention kwarg a static draft cache layer hands over
+KEYS_OWNER = "budgetdraft_keys_owner"  # attribute of a static draft cache layer's key buffer: the layer
 
 
 def budgetdraft_varlen_mask(
@@ -87,13 +88,25 @@ def budgetdraft_varlen_mask(
 def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> torch.Tensor:
     """Attention of a static draft cache's step (`q` tokens) over its fixed `[static | ring]` buffers (a selection
     that refreshes re-selects its static slots with the step's queries first)."""
+    static_layer.before_attention(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return _slot_attention(module, query, key, value, static_layer.consume_key_mask(), scaling, **kwargs)
+
+
+def _keys_owner(module, key: torch.Tensor):
+    """The static draft cache layer whose key buffer `key` is, when `module` attends over another layer's keys (Gemma
+    3n / Gemma 4 past their KV-sharing point: that layer's step returned them, and its slot mask went to its own
+    attention only); else `None`."""
+    return getattr(key, KEYS_OWNER, None) if getattr(module, "is_kv_shared_layer", False) else None
+
+
+def _slot_attention(module, query, key, value, key_valid, scaling, **kwargs) -> torch.Tensor:
+    """Attention over a static draft cache layer's slot buffers, each query reading the slots `key_valid`
+    `(1 or B, 1 or H_kv, q, K)` marks."""
     if kwargs.get("position_bias") is not None:
         raise ValueError(
             f"{type(module).__name__} adds a position bias built on contiguous key positions, which a static draft "
             "cache's slots are not (drafts would silently read the wrong bias); use cache_config={'static': False}"
         )
-    static_layer.before_attention(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
-    key_valid = static_layer.consume_key_mask()  # (1 or B, 1 or H_kv, q, K): the slots each query may read
     if key_valid.shape[2] != query.shape[2]:
         raise ValueError(
             f"a static draft cache step handed over a slot mask for {key_valid.shape[2]} queries but attention got "
@@ -162,6 +175,10 @@ def budgetdraft_varlen_attention_forward(
     static_layer = kwargs.pop(STATIC_LAYER_KWARG, None)
     if static_layer is not None:
         return _static_step(module, query, key, value, static_layer, scaling, **kwargs), None
+    if (owner := _keys_owner(module, key)) is not None:
+        # the step's last queries: Gemma 4 runs its reusing layers on the positions whose logits are kept only
+        key_valid = owner.step_key_mask()[:, :, -query.shape[2] :]
+        return _slot_attention(module, query, key, value, key_valid, scaling, **kwargs), None
     pinned = current_backend()
     if pinned != "sdpa" and _packable(module, query, key, attention_mask, dropout, kwargs):
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
