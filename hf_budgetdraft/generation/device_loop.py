@@ -131,7 +131,9 @@ class DeviceRound:
         self, tokens: torch.Tensor, length: int, gamma: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft `gamma` tokens after `tokens[:, :length]`: `(drafts (1, γ), processed draft logits (1, γ, V))`."""
-        feed = tokens[:, self.draft_seen : length].clone()
+        # a copy with its own layout, not a strided view of `tokens`: a compiled step would see a (1, 1) slice's
+        # stride as a new input and compile again
+        feed = tokens[:, self.draft_seen : length].clone(memory_format=torch.contiguous_format)
         drafts, scores = [], []
         with self._drafting():
             logits = self.steps(feed, self.draft_seen, None)

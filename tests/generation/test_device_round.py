@@ -157,6 +157,25 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
     assert len(graphs) == verify["new_shapes"] == 3 and verify["recompiles"] == 0  # buckets 1, 2, 4
 
 
+@needs_traceable_transformers
+def test_the_compiled_draft_step_compiles_once_across_rounds(fresh_dynamo):
+    """A round's first feed is a slice of the round's token buffer, copied with its own layout: a (1, 1) slice keeps
+    the buffer's row stride, which the compiled step took for a new input and compiled again at the next round."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    backend, graphs = graph_counter()
+    drafter.generation_config.compile_config = CompileConfig(
+        backend=backend, fullgraph=True, dynamic=False, mode=None
+    )
+    ids = random_prompt(120, seed=3)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=40)
+    out, stats = speculate(target, drafter, ids, cache_config={"draft_length": 3, "lean_step": False})
+    record = stats.runtime["draft_step"]
+    assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+    assert 0 < sum(stats.accepted_per_round) < sum(stats.proposed_per_round)  # rounds of every kind
+    assert record["graphs_compiled"] == len(graphs) == 1 and record["recompiles"] == 0
+    assert record["eager_calls"] == 0 and record["compiled_calls"] > stats.rounds
+
+
 def test_a_confidence_threshold_keeps_transformers_loop():
     """The device round drafts without reading the device; a threshold that ends a draft early needs a read a step,
     so such a call runs transformers' loop (asked explicitly, it is refused)."""
