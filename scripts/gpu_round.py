@@ -23,6 +23,9 @@ rewritten after every part, with the git commit passed in (the tree travels with
 - `long`: 128K, (b) against (d) only, the same way.
 - `real` (`gpu_round_real.py`): the bundled pair on the device, every path, fp32 (TF32 off) and bf16 greedy diffs;
   the one-liner against (b) at 8K with a round's host time.
+- `families` (`gpu_round_families.py`): drafters with sliding layers or layers reusing earlier layers' keys, their
+  step compiled with CUDA's setting: tiny random models drafting for a copy of themselves (fp32 greedy identity,
+  every draft accepted, nothing compiled in a second call), and a sliding drafter in the device round.
 
 Exit code 0 when every check passed (a goal missed is reported, not failed: see `goals`).
 """
@@ -44,7 +47,7 @@ import gpu_cost_curves  # noqa: E402
 import gpu_round_rows as rows  # noqa: E402
 from gpu_report import Report  # noqa: E402
 
-PARTS = ("synthetic", "long", "real")
+PARTS = ("synthetic", "long", "real", "families")
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu" / "survival_traces.json"
 PAPER_ALPHA = {8192: 0.55, 16384: 0.34}  # BudgetDraft's acceptance at 8K and at 16K (used beyond 16K)
 GOALS = {8192: 1.5, 32768: 1.3, 131072: 1.5}  # (d) over (b) with the bundled survival
@@ -108,6 +111,10 @@ def run_part(args, report: Report, device: torch.device, sizes: dict) -> None:
         import gpu_round_real
 
         report.section("real", gpu_round_real.real, device, args.cpu_smoke)
+    elif args.part == "families":
+        import gpu_round_families
+
+        report.section("families", gpu_round_families.families, device, args.cpu_smoke)
     elif args.part == "long":
         context = args.contexts[0] if args.contexts else sizes["long_context"]
         report.section(f"long_{context}", synthetic, device, sizes, context, False)

@@ -63,7 +63,9 @@ def _call(target, drafter, ids, new_tokens, implementation, cache_config, smoke:
     return out, stats
 
 
-def _judge(report, target, ids, name: str, out, reference, tolerance: float) -> dict:
+def judge(report, target, ids, name: str, out, reference, tolerance: float) -> dict:
+    """Check `out` against the target's own `reference` (identical, or a first divergence at a target margin within
+    `tolerance`); the diff row."""
     prompt = ids.shape[1]
     diff = token_diff(out[0, prompt:], reference[0, prompt:])
     row = {"diff_tokens": diff.diff_tokens, "first_diff": diff.first_diff}
@@ -95,7 +97,7 @@ def _batch(report, target, drafter, batch_rows, sizes, dtype_name, tolerance) ->
     for k, row in enumerate(batch_rows):
         alone = target.generate(row[None], do_sample=False, max_new_tokens=sizes["new_tokens"])
         mine = torch.cat([row, out[k, width:]])[None]
-        result[k] = _judge(
+        result[k] = judge(
             report, target, row[None], f"real.{dtype_name}.batch_row{k}", mine, alone, tolerance
         )
     return result
@@ -109,7 +111,7 @@ def identity(report, target, drafter, prompts, dtype_name: str, smoke: bool, siz
     result = {}
     for path, (cache, cache_config) in PATHS.items():
         out, stats = _call(target, drafter, ids, sizes["new_tokens"], cache, cache_config, smoke)
-        row = _judge(report, target, ids, f"real.{dtype_name}.{path}", out, reference, tolerance)
+        row = judge(report, target, ids, f"real.{dtype_name}.{path}", out, reference, tolerance)
         row.update(runtime=stats.runtime, tokens_a_round=stats.mean_accepted_length)
         result[path] = row
     result["continued_cache"] = _continued(report, target, drafter, ids, reference, dtype_name, smoke, sizes)
@@ -131,7 +133,7 @@ def _continued(report, target, drafter, ids, reference, dtype_name: str, smoke: 
     )
     tolerance = FP32_MARGIN if dtype_name == "float32" else BF16_MARGIN
     name = f"real.{dtype_name}.continued_cache"
-    row = _judge(report, target, ids, name, out, reference, tolerance)
+    row = judge(report, target, ids, name, out, reference, tolerance)
     row.update(runtime=stats.runtime, cache_tokens=cache.get_seq_length(), output_tokens=out.shape[1])
     report.check(f"{name}_length", cache.get_seq_length() == out.shape[1] - 1, row)
     report.check(f"{name}_device_round", (stats.runtime or {}).get("loop") == "device_round")

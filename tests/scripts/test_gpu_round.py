@@ -29,7 +29,12 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
     )
     merged = json.loads((tmp_path / "gpu_round.json").read_text())
     assert done.returncode == 0 and merged["all_passed"], done.stdout[-3000:] + done.stderr[-3000:]
-    assert merged["commit"] == "abc123" and set(merged["parts"]) == {"synthetic_160", "long", "real"}
+    assert merged["commit"] == "abc123" and set(merged["parts"]) == {
+        "synthetic_160",
+        "long",
+        "real",
+        "families",
+    }
     for part in merged["parts"].values():
         assert part["commit"] == "abc123" and part["exit_code"] == 0 and not part["errors"]
 
@@ -69,6 +74,18 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
         assert "oneliner_policy_dynamic" in paths
         assert paths["continued_cache"]["second_identical"]  # the drafter continuing its last prompt
     assert real["speed"]["runtime"]["loop"] == "device_round" and real["speed"]["d_over_b"] > 0
+
+    families = merged["parts"]["families"]["families"]
+    assert set(families) == {
+        "gemma3_sliding", "cohere2_sliding", "mistral_all_sliding", "gemma4_kv_sharing", "device_round_sliding_drafter"
+    }  # fmt: skip
+    for name, calls in families.items():
+        first, second = (calls[f"call{k}"]["runtime"]["draft_step"] for k in range(2))
+        assert all(call["diff_tokens"] == 0 for call in calls.values())
+        assert first["graphs_compiled"] == 1 and second["graphs_compiled"] == 0
+        assert first["eager_calls"] == second["eager_calls"] == 0
+        if name != "device_round_sliding_drafter":  # a copy reading every key
+            assert all(call["accepted"] == call["proposed"] > 0 for call in calls.values())
 
 
 @pytest.fixture
