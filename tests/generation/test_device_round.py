@@ -141,20 +141,32 @@ def test_a_drafter_with_transformers_own_layers_rolls_back_in_the_device_round(f
 @needs_traceable_transformers
 @pytest.mark.parametrize("family", FULL_ATTENTION)
 def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
-    """The verification traced by dynamo (a counting backend runs each graph eagerly): one graph per bucket, the
-    output the target's own."""
+    """The verification and the draft step traced by dynamo on CUDA's whole-graph setting (counting backends run
+    each graph eagerly): one graph per bucket and one draft step graph, none compiled again, the output the
+    target's own."""
     skip_unless_known(family)
     target, drafter = model_pair(family, "sdpa", num_assistant_tokens=None)
     backend, graphs = graph_counter()
+    draft_backend, draft_graphs = graph_counter()
+    drafter.generation_config.compile_config = CompileConfig(
+        backend=draft_backend, fullgraph=True, dynamic=False, mode=None
+    )
     ids = random_prompt(120, seed=3)
     expected = target.generate(ids, do_sample=False, max_new_tokens=30)
-    out, stats = speculate_compiled(target, drafter, ids, backend)
-    verify = stats.runtime["verify"]
+    out, stats = speculate_compiled(target, drafter, ids, backend, cache_config={"lean_step": False})
+    verify, draft = stats.runtime["verify"], stats.runtime["draft_step"]
     assert torch.equal(out, expected)
     assert (
         verify["failure"] is None and verify["compiled_calls"] == stats.rounds and verify["eager_calls"] == 0
     )
     assert len(graphs) == verify["new_shapes"] == 3 and verify["recompiles"] == 0  # buckets 1, 2, 4
+    if (
+        stats.plan.spec.static
+    ):  # (GPT-NeoX's attention passes no kwargs to the cache: a dynamic one, eager steps)
+        assert len(draft_graphs) == draft["graphs_compiled"] == 1
+        assert draft["recompiles"] == draft["eager_calls"] == 0
+    else:
+        assert not draft_graphs and not draft["compiled"]
 
 
 @needs_traceable_transformers
