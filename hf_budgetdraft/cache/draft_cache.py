@@ -62,9 +62,9 @@ class SparseDraftCache(Cache):
 
     All-sliding drafters: a model with no full-attention layer (Mistral with `sliding_window` on every layer, the
     sliding MTP layer of Mellum) has nothing to sparsify. It runs on its own cache, exactly as stock assisted
-    generation runs it (static: on `StaticSlidingLayer`s), and this is logged once. The requested window is never applied to a sliding layer, smaller
-    or larger than the model's own: a sliding layer reads what the model was trained to read, at a cost bounded by
-    its own window.
+    generation runs it (static: on `StaticSlidingLayer`s), and this is logged once. The requested window is never
+    applied to a sliding layer, smaller or larger than the model's own: a sliding layer reads what the model was
+    trained to read, at a cost bounded by its own window.
 
     A layer holding a recurrent state (Mamba, gated delta net) rolls back through the states of its last tokens,
     which transformers records from 5.25 on (`compat.activate_past_recording`); before 5.25 it is refused at the
@@ -267,13 +267,14 @@ def _log_what_is_not_sparsified(
         )
 
 
-FIXED_SHAPE_LAYER_TYPES = ("full_attention", "sliding_attention")
+# `dummy`: a layer that holds nothing (reusing an earlier layer's keys, Gemma 3n / Gemma 4; an MLP-only layer)
+FIXED_SHAPE_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
 
 def has_fixed_shape_steps(config: PreTrainedConfig) -> bool:
     """Whether every layer of `config`'s decoder gets a fixed-shape step on a static draft cache: full attention (a
-    `StaticDraftLayer`) and sliding windows (a `StaticSlidingLayer`); no convolution or recurrent state, whose
-    transformers layers grow between rollbacks."""
+    `StaticDraftLayer`), sliding windows (a `StaticSlidingLayer`) and layers holding nothing; no convolution or
+    recurrent state, whose transformers layers grow between rollbacks."""
     layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     return all(layer_type in FIXED_SHAPE_LAYER_TYPES for layer_type in layer_types)
 

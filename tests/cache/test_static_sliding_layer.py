@@ -3,7 +3,7 @@ layers read, step by step and block by block, and roll back exactly."""
 
 import pytest
 import torch
-from tiny_families import family_pair
+from tiny_families import family_pair, kv_sharing_model
 from tiny_models import random_prompt, skip_unless_static
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -81,3 +81,8 @@ def test_only_the_static_storage_replaces_transformers_sliding_layers():
 def test_fixed_shape_steps_are_full_attention_and_sliding_layers_only(family, fixed):
     model, _ = family_pair(family)
     assert has_fixed_shape_steps(model.config) is fixed
+
+
+def test_layers_reusing_earlier_keys_hold_nothing_and_keep_the_steps_fixed():
+    """Gemma 4 past its KV-sharing point: transformers 5.25 gives those layers a `dummy` cache layer."""
+    assert has_fixed_shape_steps(kv_sharing_model().config)

@@ -154,7 +154,11 @@ def test_a_step_whose_inputs_change_shape_drafts_eagerly_after_its_first_recompi
 
 
 def _plans_on_cpu_and_cuda(family: str):
-    target, drafter = family_pair(family)
+    return _plans_on_cpu_and_cuda_of(*family_pair(family))
+
+
+def _plans_on_cpu_and_cuda_of(target, drafter=None):
+    drafter = drafter or copy.deepcopy(target)
     plan = plan_for(target, drafter, cache_config={"static": True})
     with pytest.MonkeyPatch.context() as patch:
         cuda = device_rules("cuda")
@@ -197,6 +201,7 @@ def test_a_drafter_whose_layers_reuse_keys_compiles_one_graph_and_drafts_as_on_t
     target = kv_sharing_model()
     if not supports_static_cache(target):
         pytest.skip("Gemma 4's attention passes no kwargs to the cache in this transformers release")
+    assert _plans_on_cpu_and_cuda_of(target)[1].spec.compile is True  # CUDA compiles it from the first call
     config, graphs = _fullgraph_counter()
     rounds = []
     for static, compile_config in ((False, None), (True, config)):
