@@ -22,7 +22,7 @@ from .policies import KeepPolicy
 from .selection import BudgetSelection, Selection, SinkSelection
 from .sizes import cache_nbytes, check_size
 from .static_draft_layer import StaticDraftLayer, check_static_flag
-from .static_sliding_layer import StaticSlidingLayer
+from .static_sliding_layer import StaticSlidingLayer, fits_a_ring
 
 logger = logging.get_logger(__name__)
 
@@ -51,7 +51,8 @@ class SparseDraftCache(Cache):
         static (`bool`, defaults to `False`): `StaticDraftLayer`s, whose one-token step has fixed shapes
             (`torch.compile` / CUDA graphs); needs the model to run `attn_implementation="budgetdraft_varlen"`. Same
             keys, same outputs as the dynamic `DraftLayer`s. The model's own sliding layers become
-            `StaticSlidingLayer`s (its window as a fixed-shape ring) so that every step has fixed shapes.
+            `StaticSlidingLayer`s (its window as a fixed-shape ring, up to `LARGEST_RING` positions) so that every
+            step has fixed shapes.
 
     A full-attention layer gets a draft layer; a `"hybrid"` layer (attention and a short convolution in one
     decoder layer, e.g. Inkling) gets it plus transformers' convolution state (`with_linear_state`). Every other
@@ -98,7 +99,8 @@ class SparseDraftCache(Cache):
             return layer_class(selection, window_length, slack, layer_idx=idx)
 
         def make_sliding_layer(idx: int, sliding_window: int) -> StaticSlidingLayer | None:
-            return StaticSlidingLayer(sliding_window, slack, layer_idx=idx) if static else None
+            fits = static and fits_a_ring(sliding_window)
+            return StaticSlidingLayer(sliding_window, slack, layer_idx=idx) if fits else None
 
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = [
@@ -273,10 +275,14 @@ FIXED_SHAPE_LAYER_TYPES = ("full_attention", "sliding_attention", "dummy")
 
 def has_fixed_shape_steps(config: PreTrainedConfig) -> bool:
     """Whether every layer of `config`'s decoder gets a fixed-shape step on a static draft cache: full attention (a
-    `StaticDraftLayer`), sliding windows (a `StaticSlidingLayer`) and layers holding nothing; no convolution or
-    recurrent state, whose transformers layers grow between rollbacks."""
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return all(layer_type in FIXED_SHAPE_LAYER_TYPES for layer_type in layer_types)
+    `StaticDraftLayer`), sliding windows a ring holds (a `StaticSlidingLayer`) and layers holding nothing; no
+    convolution or recurrent state, whose transformers layers grow between rollbacks."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return all(
+        layer_type in FIXED_SHAPE_LAYER_TYPES
+        and (layer_type != "sliding_attention" or fits_a_ring(kwargs.get("sliding_window")))
+        for layer_type, kwargs in zip(layer_types, layer_kwargs, strict=True)
+    )
 
 
 def _make_cache_layer(

@@ -8,6 +8,10 @@ static slots and a ring of `sliding_window - 1` past positions (+ the slack a ro
 through the same masked step, exact per query (each query's window ends at the query, not at its step's first
 token as a sparse layer's does). Longer forwards (the prefill) return the contiguous window and report its true
 offset, so transformers' own sliding mask stays exact.
+
+A ring is allocated whole, so only windows up to `LARGEST_RING` positions become rings (Gemma's 512-4,096, Mistral's
+and Cohere 2's 4,096, gpt-oss's 128); a window of hundreds of thousands (Phi-3's 128K models declare 262,144) keeps
+transformers' layer, which grows with the context, and its step stays eager.
 """
 
 from __future__ import annotations
@@ -16,6 +20,13 @@ import torch
 
 from .selection import SinkSelection
 from .static_draft_layer import StaticDraftLayer
+
+LARGEST_RING = 16384  # positions; a larger sliding window keeps transformers' growing layer
+
+
+def fits_a_ring(sliding_window) -> bool:
+    """Whether a sliding layer of `sliding_window` positions becomes a `StaticSlidingLayer` on a static cache."""
+    return isinstance(sliding_window, int) and 2 <= sliding_window <= LARGEST_RING
 
 
 class StaticSlidingLayer(StaticDraftLayer):

@@ -4,13 +4,14 @@ layers read, step by step and block by block, and roll back exactly."""
 import pytest
 import torch
 from tiny_families import family_pair, kv_sharing_model
-from tiny_models import random_prompt, skip_unless_static
-from transformers import DynamicCache
+from tiny_models import COMMON, random_prompt, skip_unless_static
+from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_budgetdraft import BudgetedCache, SinkWindowCache
 from hf_budgetdraft.attention.varlen import NAME as VARLEN
 from hf_budgetdraft.cache import StaticDraftLayer, StaticSlidingLayer, has_fixed_shape_steps
+from hf_budgetdraft.cache.static_sliding_layer import LARGEST_RING
 from hf_budgetdraft.compat import cache_kwargs
 
 SLIDING_WINDOW = 24  # the tiny families' own
@@ -86,3 +87,16 @@ def test_fixed_shape_steps_are_full_attention_and_sliding_layers_only(family, fi
 def test_layers_reusing_earlier_keys_hold_nothing_and_keep_the_steps_fixed():
     """Gemma 4 past its KV-sharing point: transformers 5.25 gives those layers a `dummy` cache layer."""
     assert has_fixed_shape_steps(kv_sharing_model().config)
+
+
+@pytest.mark.parametrize("sliding_window", [24, LARGEST_RING + 1])
+def test_a_window_too_large_for_a_ring_keeps_transformers_growing_layer(sliding_window):
+    """A ring is allocated whole: a window of hundreds of thousands (Phi-3's 128K models) would allocate it for any
+    prompt. Such a layer keeps transformers' layer, which grows with the context, and the step is not compiled."""
+    config = AutoConfig.for_model("mistral", **COMMON, sliding_window=sliding_window)
+    config._attn_implementation = VARLEN
+    cache = SinkWindowCache(config, num_sink_tokens=4, window_length=16, static=True)
+    ring = sliding_window <= LARGEST_RING
+    expected = StaticSlidingLayer if ring else DynamicSlidingWindowLayer
+    assert all(type(layer) is expected for layer in cache.layers)
+    assert has_fixed_shape_steps(config) is ring
