@@ -43,6 +43,7 @@ import hf_budgetdraft
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.attention import varlen
 from hf_budgetdraft.demo.random_models import smoke_pair
+from hf_budgetdraft.generation.compiled_step import dynamo_graphs_so_far
 from hf_budgetdraft.generation.draft_length.clock import synchronize
 from hf_budgetdraft.runs.token_diff import divergence_margin, noise_envelope, token_diff
 from hf_budgetdraft.trainer.losses import budgetdraft_loss, hard_distillation_loss
@@ -170,7 +171,7 @@ def _greedy_runs(target, drafters: dict, ids, new_tokens: int, caches: dict, rep
     stats_by_label, errors = {}, {}
     graphs = []  # graphs torch.compile built during each repeat (the static drafts compile in generate)
     for repeat in range(repeats):
-        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs_before = dynamo_graphs_so_far()
         for label in labels:
             kwargs = dict(do_sample=False, max_new_tokens=new_tokens)
             if label == "native":
@@ -200,7 +201,7 @@ def _greedy_runs(target, drafters: dict, ids, new_tokens: int, caches: dict, rep
                     "rounds": stats.rounds,
                     "mean_accepted_length": stats.mean_accepted_length if stats.rounds else None,
                 }
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before)
+        graphs.append(dynamo_graphs_so_far() - graphs_before)
     outputs = {label: runs for label, runs in outputs.items() if len(runs) == repeats}
     return outputs, stats_by_label, graphs, errors
 

@@ -1,6 +1,6 @@
 """The compiled one-token draft step: how it compiles (`draft_step_compile_config`), where the device rules
-rent before they buy, when its compilation pays (`compile_pays`), and what a compiled step that cannot compile again
-raises (`compiling_again_failed`).
+rent before they buy, when its compilation pays (`compile_pays`), what a compiled step that cannot compile again
+raises (`compiling_again_failed`), and how many graphs the process has compiled (`dynamo_graphs_so_far`).
 
 On CPU a compilation costs seconds to tens of seconds and a step saves a fraction of a millisecond, so `"auto"`
 compiles once this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager static
@@ -59,6 +59,12 @@ def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> 
         return True
     saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
     return model_state(drafter).rent * saving >= COMPILE_SECONDS_ESTIMATE
+
+
+def dynamo_graphs_so_far() -> int:
+    """Dynamo graphs compiled in this process so far (a process-wide count: a step or a verification reads it before
+    and after its call)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from ..cache import BudgetedCache, SparseDraftCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix, drafter_media
-from .compiled_step import compiling_again_failed
+from .compiled_step import compiling_again_failed, dynamo_graphs_so_far
 from .device_rules import device_rules
 from .draft_length.clock import synchronize
 
@@ -82,7 +82,7 @@ class CompiledStep:
             return self.fallback(feed, positions)
         if not self.checked:
             return self._first(feed, positions)
-        graphs = _graphs_compiled()
+        graphs = dynamo_graphs_so_far()
         try:
             logits = self.compiled(feed, positions).clone()
         except compiling_again_failed() as error:  # raised compiling again, before the graph ran
@@ -90,7 +90,7 @@ class CompiledStep:
             self.eager_calls += 1
             return self.fallback(feed, positions)
         self.compiled_calls += 1
-        new = _graphs_compiled() - graphs
+        new = dynamo_graphs_so_far() - graphs
         if new:
             self.graphs_compiled += new
             self.recompiles += new
@@ -103,7 +103,7 @@ class CompiledStep:
     def _first(self, feed, positions) -> torch.Tensor:
         """The call's first compiled step: compiles (or reuses this process's graph); on any failure that wrote
         nothing to the cache (the one host read of its lengths), the eager step from then on."""
-        lengths, graphs = self._static_lengths(), _graphs_compiled()
+        lengths, graphs = self._static_lengths(), dynamo_graphs_so_far()
         try:
             with _first_compiled_call:
                 logits = self.compiled(feed, positions).clone()
@@ -113,7 +113,7 @@ class CompiledStep:
             self._stop("compiling the draft step failed", error=error)
             self.eager_calls += 1
             return self.fallback(feed, positions)
-        self.graphs_compiled += _graphs_compiled() - graphs
+        self.graphs_compiled += dynamo_graphs_so_far() - graphs
         self.compiled_calls += 1
         self.checked = True
         return logits
@@ -134,11 +134,6 @@ class CompiledStep:
             for layer in self.cache.layers
             if torch.is_tensor(getattr(layer, "length", None))
         ]
-
-
-def _graphs_compiled() -> int:
-    """Dynamo graphs compiled in this process so far."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 class CheckedLeanStep:

@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
-from .compiled_step import compiling_again_failed, draft_step_compile_config
+from .compiled_step import compiling_again_failed, draft_step_compile_config, dynamo_graphs_so_far
 from .model_inputs import position_offset
 from .model_state import model_state
 
@@ -264,10 +264,9 @@ class StaticVerify:
             return logits
 
     def _counted(self, padded: torch.Tensor, start: int) -> torch.Tensor:
-        counters = torch._dynamo.utils.counters["stats"]
-        before = counters["unique_graphs"]
+        before = dynamo_graphs_so_far()
         logits = self._forward(self.compiled_fn, padded, start)
-        self.record.graphs_compiled += counters["unique_graphs"] - before
+        self.record.graphs_compiled += dynamo_graphs_so_far() - before
         return logits
 
     def _fall_back(self, error: Exception, padded: torch.Tensor, start: int, counted: bool) -> torch.Tensor:
