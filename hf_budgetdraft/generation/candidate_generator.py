@@ -6,7 +6,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from ..cache import SparseDraftCache
-from ..compat import CACHE_KWARG, activate_past_recording, prepare_draft_inputs
+from ..compat import CACHE_KWARG, prepare_draft_inputs
 from . import draft_length, drafter_media
 from .compiled_step import record_eager_steps
 from .draft_length import RoundClock
@@ -38,8 +38,6 @@ class SparseDraftCandidateGenerator(AssistedCandidateGenerator):
         super().__init__(
             input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor, logits_processor
         )
-        # sliding-window and recurrent layers (if any) must be able to roll back a round's drafts too
-        activate_past_recording(draft_cache, recurrent_states_to_keep=plan.spec.slack)
         # the draft's own generate() (nested, for batches) is handed the draft cache itself, never a cache name
         # (transformers resets it from 5.24 on)
         self.generation_config.cache_implementation = None

@@ -27,7 +27,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..compat import CACHE_KWARG, activate_past_recording, cache_kwargs
+from ..compat import CACHE_KWARG, cache_kwargs
 from . import draft_length, drafter_media
 from .acceptance import accept_round, sample_on_device
 from .batched_loop import PER_TOKEN_OUTPUTS
@@ -93,8 +93,6 @@ class DeviceRound:
         length = plan.spec.draft_length
         self.most = length if isinstance(length, int) else plan.spec.max_draft_length
         self.draft_cache = plan.draft_cache(drafter)
-        # transformers' own layers (sliding windows, convolution and recurrent states) roll back from their past
-        activate_past_recording(self.draft_cache, recurrent_states_to_keep=plan.spec.slack)
         self.steps = DraftSteps.for_plan(plan, drafter, self.draft_cache, drafter_media)
         self._drafting = plan.drafting(drafter)
         eos = getattr(generation_config, "_eos_token_tensor", None)

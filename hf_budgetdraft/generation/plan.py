@@ -35,6 +35,7 @@ from transformers import CompileConfig, GenerationConfig
 from ..attention.fast_sdpa import NAME as FAST_SDPA
 from ..attention.scoped import attention_scope, using_attention
 from ..attention.varlen import NAME as VARLEN
+from ..compat import activate_past_recording
 from ..cpu import few_row_linear_applies, few_row_linears
 from .device_rules import device_rules
 from .plan_choices import (
@@ -140,9 +141,12 @@ class DraftPlan:
 
     def draft_cache(self, drafter):
         """The call's draft cache for `drafter`, built inside its drafting scope (a static cache checks the
-        attention its drafter runs)."""
+        attention its drafter runs), its transformers layers (sliding windows, convolution and recurrent states)
+        recording their past so that a round's drafts, up to the slack, roll back."""
         with self.drafting(drafter)():
-            return self.spec.build_cache(drafter.config)
+            cache = self.spec.build_cache(drafter.config)
+        activate_past_recording(cache, recurrent_states_to_keep=self.spec.slack)
+        return cache
 
     def drafting(self, drafter) -> Callable[[], contextlib.AbstractContextManager]:
         """The drafter's side: a scope to enter around each draft phase (and the draft cache's construction), which
