@@ -121,9 +121,7 @@ class SparseDraftCache(Cache):
     def can_skip(self) -> bool:
         """Whether `skip` applies: every layer is a draft layer whose selection allows it (a sink); a model's own
         sliding layers keep theirs."""
-        return self.selection.can_skip and all(
-            isinstance(layer, DraftLayer) and not layer.is_sliding for layer in self.layers
-        )
+        return self.selection.can_skip and all(_sparsified(layer) for layer in self.layers)
 
     def skip(self, count: int) -> None:
         """Advance every layer over `count` positions nothing will read: a draft head catching up on a long block
@@ -254,10 +252,16 @@ def check_scores_read_a_subset(config: PreTrainedConfig) -> None:
         )
 
 
+def _sparsified(layer) -> bool:
+    """Whether `layer` reads the cache's selection: a draft layer, not a model's own sliding window (a ring on the
+    static storage, `StaticSlidingLayer`)."""
+    return isinstance(layer, DraftLayer) and not layer.is_sliding
+
+
 def _log_what_is_not_sparsified(
     cache_name: str, model_type: str, layer_types: list[str], layers: list
 ) -> None:
-    if not any(isinstance(layer, DraftLayer) and not layer.is_sliding for layer in layers):
+    if not any(_sparsified(layer) for layer in layers):
         logger.warning_once(
             f"{cache_name}: {model_type!r} has no full-attention layer (layer types {sorted(set(layer_types))}), so "
             "nothing is sparsified: the draft runs on the model's own cache, as stock assisted generation does"
