@@ -7,16 +7,14 @@ import logging
 import pytest
 import torch
 from compile_counter import graph_counter
-from resolved_plans import plan_for
+from resolved_plans import cuda_rules_on_cpu, plan_for
 from tiny_families import family_pair, kv_sharing_model
 from tiny_models import model_pair, random_prompt
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
-import hf_budgetdraft.generation.plan as plan_module
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.attention.varlen import NAME as VARLEN
-from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.draft_steps import (
     CheckedLeanStep,
     CompiledStep,
@@ -160,9 +158,7 @@ def _plans_on_cpu_and_cuda(family: str):
 def _plans_on_cpu_and_cuda_of(target, drafter=None):
     drafter = drafter or copy.deepcopy(target)
     plan = plan_for(target, drafter, cache_config={"static": True})
-    with pytest.MonkeyPatch.context() as patch:
-        cuda = device_rules("cuda")
-        patch.setattr(plan_module, "device_rules", lambda device, dtype=torch.float32: cuda)
+    with cuda_rules_on_cpu():
         return plan, plan_for(target, drafter, cache_config={"static": True})
 
 

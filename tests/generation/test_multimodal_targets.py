@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from resolved_plans import cuda_rules_on_cpu
 from tiny_llava import tiny_llava
 from transformers import (
     AutoModelForCausalLM,
@@ -19,12 +20,10 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
-import hf_budgetdraft.generation.plan as plan_module
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation import drafter_media
 from hf_budgetdraft.generation.device_loop import unsupported
-from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.model_inputs import uncarried_inputs
 
 TEXT = dict(
@@ -315,15 +314,10 @@ def test_a_multimodal_drafter_reads_the_image(family, request, monkeypatch):
 
 
 @pytest.fixture
-def cuda_loops(monkeypatch):
+def cuda_loops():
     """CUDA's choices about loops (the device round), on the CPU; the verification eager (compiling is slow here)."""
-    cuda_rules = device_rules("cuda")
-
-    def rules(device, dtype=torch.float32):
-        return cuda_rules if torch.device(device).type == "cpu" else device_rules(device, dtype)
-
-    monkeypatch.setattr(plan_module, "device_rules", rules)
-    return {"compile_verify": False}
+    with cuda_rules_on_cpu():
+        yield {"compile_verify": False}
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_vl-video"])
