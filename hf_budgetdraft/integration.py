@@ -362,7 +362,7 @@ def _assisted(stock, self, *args, **kwargs):
     rows = None if input_ids is None else input_ids.shape[0]
     other_tokenizer = kwargs.get("assistant_tokenizer")
     _check_assistant(self, assistant_model, generation_config, other_tokenizer, rows)
-    loop_problem = unsupported_by_device_round(generation_config, kwargs, input_ids)
+    loop_problem = unsupported_by_device_round(self, generation_config, kwargs, input_ids)
     if other_tokenizer is not None:
         loop_problem = "a drafter with another tokenizer, translated through text on the host every round"
     plan = _plan(self, assistant_model, generation_config, rows, loop_problem)

@@ -4,8 +4,10 @@ A drafter's sliding layers are fixed-shape rings on the static draft cache (`Sta
 reuse an earlier layer's keys (Gemma 3n / Gemma 4) find its slot mask through the key buffer; both compile into the
 draft step's one graph on CPU. This part checks it where it matters, with CUDA's compile setting (CUDA graphs): tiny
 random drafters of each kind, fp32 with TF32 off, drafting for a copy of themselves over a window covering the
-call (every draft should be accepted), twice (the second call compiles nothing); and a full-attention target on the
-device round with a sliding drafter of its vocabulary. Output against the target's own greedy output.
+call (every draft should be accepted), twice (the second call compiles nothing); a full-attention target on the
+device round with a sliding drafter of its vocabulary; and a target with sliding layers on the device round, whose
+compiled verification reads them from rollback rings (`RingSlidingLayer`). Output against the target's own greedy
+output.
 """
 
 from __future__ import annotations
@@ -67,10 +69,12 @@ def build(model_type: str, extra: dict, sliding_window: int | None, device: torc
 
 
 def _speculate(target, drafter, ids, sizes: dict, smoke: bool, cache_config: dict):
-    """`target.generate` with `drafter` on a sink + window cache; in the CPU smoke the drafter's step compiled without
-    inductor (CUDA compiles it from the first call by itself)."""
+    """`target.generate` with `drafter` on a sink + window cache; in the CPU smoke the drafter's step and the device
+    round's verification compiled without inductor (CUDA compiles both from the first call by itself)."""
+    smoke_compile = {}
     if smoke:
         drafter.generation_config.compile_config = rows.smoke_one_liner()["compile_config"]
+        smoke_compile = {"compile_config": rows.smoke_one_liner()["compile_config"]}
     with record_speculation() as stats:
         out = target.generate(
             ids,
@@ -79,6 +83,7 @@ def _speculate(target, drafter, ids, sizes: dict, smoke: bool, cache_config: dic
             max_new_tokens=sizes["new_tokens"],
             cache_implementation="sink_window",
             cache_config={"num_sink_tokens": 4, "draft_length": 4, **cache_config},
+            **smoke_compile,
         )
     return out, stats
 
@@ -153,6 +158,46 @@ def device_round(report, device: torch.device, smoke: bool, sizes: dict) -> dict
     return result
 
 
+def sliding_target(report, device: torch.device, smoke: bool, sizes: dict) -> dict:
+    """A target with sliding layers on the device round: they verify on rollback rings (`RingSlidingLayer`), the
+    verification compiled; a copy of it drafts over a window narrower than the call, so drafts are rejected and the
+    rings roll back. Twice: the second call compiles nothing."""
+    target = build(*FAMILIES["gemma3_sliding"], sizes["sliding_window"], device)
+    drafter = copy.deepcopy(target)
+    ids = torch.randint(
+        3, SHAPE["vocab_size"], (1, sizes["context"]), generator=torch.Generator().manual_seed(3)
+    )
+    ids = ids.to(device)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
+    config = {"window_length": 32, **({"device_round": True, "compile_verify": True} if smoke else {})}
+    calls = [_speculate(target, drafter, ids, sizes, smoke, config) for _ in range(2)]
+    name, result = "families.device_round_sliding_target", {}
+    for k, (out, stats) in enumerate(calls):
+        row = gpu_round_real.judge(
+            report, target, ids, f"{name}.call{k}", out, reference, gpu_round_real.FP32_MARGIN
+        )
+        accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
+        row.update(accepted=accepted, proposed=proposed, plan=stats.plan.reasons, runtime=stats.runtime)
+        rings = ((stats.runtime or {}).get("verify") or {}).get("ring_layers", 0)
+        report.check(f"{name}.call{k}.rings", stats.runtime.get("loop") == "device_round" and rings > 0, row)
+        report.check(f"{name}.call{k}.rejected_drafts_rolled_back", 0 <= accepted < proposed, row)
+        result[f"call{k}"] = row
+    first, second = (stats.runtime["verify"] for _, stats in calls)
+    report.check(
+        f"{name}.verify_compiled",
+        first["compiled"] and first["failure"] is None and first["eager_calls"] == first["recompiles"] == 0,
+        first,
+    )
+    report.check(
+        f"{name}.verify_compiles_nothing_in_second_call",
+        second["new_shapes"] == second["graphs_compiled"] == second["eager_calls"] == 0
+        and second["compiled_calls"] > 0,
+        second,
+    )
+    _draft_step_checks(report, name, *(stats.runtime["draft_step"] for _, stats in calls))
+    return result
+
+
 def families(report, device: torch.device, smoke: bool) -> dict:
     """Every family drafting for itself, then the device round with a sliding drafter; fp32, TF32 off."""
     sizes = SIZES["smoke" if smoke else "gpu"]
@@ -161,4 +206,5 @@ def families(report, device: torch.device, smoke: bool) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     result = {name: self_drafting(report, name, device, smoke, sizes) for name in FAMILIES}
     result["device_round_sliding_drafter"] = device_round(report, device, smoke, sizes)
+    result["device_round_sliding_target"] = sliding_target(report, device, smoke, sizes)
     return result

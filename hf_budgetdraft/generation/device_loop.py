@@ -5,8 +5,8 @@ transformers' assisted loop synchronises with the device several times a round (
 check, the finished flag) and verifies through an eager forward on a cache whose length it reads. Here, a round:
 
 1. the drafter proposes γ tokens on its sparse cache (`DraftSteps`: the compiled one-token step on CUDA);
-2. the target verifies `[newest token, γ drafts]`, padded to a bucket, on a static full cache through a compiled
-   forward (`static_verify.py`);
+2. the target verifies `[newest token, γ drafts]`, padded to a bucket, on a static cache (its sliding layers as
+   rollback rings) through a compiled forward (`static_verify.py`);
 3. the acceptance runs on the device (greedy: the target's argmax; sampling: speculative sampling), the new tokens
    are written into a device buffer, and the host reads one pair, `(kept, first EOS)`: the round's only wait;
 4. both caches roll back by moving their write index, never by copying: the target's on the device before the
@@ -27,6 +27,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..cache import is_full_attention_only
 from ..compat import CACHE_KWARG, cache_kwargs
 from . import draft_length, drafter_media
 from .acceptance import accept_round, sample_on_device
@@ -37,11 +38,12 @@ from .model_inputs import prompt_only_inputs, uncarried_inputs
 from .plan import DraftPlan
 from .prefilled import check_prompt_extends, is_given
 from .processors import is_blockwise, process_block
-from .static_verify import StaticVerify, give_back, take_cache
+from .static_verify import StaticVerify, give_back, ring_slack, take_cache
 
 
-def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
-    """Why this call must run transformers' loop instead of the device round (`None`: it need not)."""
+def unsupported(target, generation_config, kwargs: dict, input_ids) -> str | None:
+    """Why this call of `target.generate` must run transformers' loop instead of the device round (`None`: it need
+    not)."""
     if input_ids is None or input_ids.shape[0] != 1:
         return "the device round decodes one sequence"
     asked = [name for name in PER_TOKEN_OUTPUTS if getattr(generation_config, name, False)]
@@ -67,6 +69,8 @@ def unsupported(generation_config, kwargs: dict, input_ids) -> str | None:
         return f"model inputs it does not feed the target ({extra})"
     if prompt_only and is_given(kwargs.get(CACHE_KWARG)):
         return f"{sorted(prompt_only)} in a call continuing a cache it was given"
+    if is_given(kwargs.get(CACHE_KWARG)) and not is_full_attention_only(target.config):
+        return "a cache passed to a target with sliding layers (its windows are not loaded into the round's rings)"
     return None
 
 
@@ -187,7 +191,8 @@ class DeviceRound:
         budget = self.config.max_length - prompt
         if budget <= 0:
             return input_ids
-        cache = take_cache(self.target, prompt + budget + self.most + 1)
+        slack = ring_slack(self.most + 1)
+        cache = take_cache(self.target, prompt + budget + self.most + 1, slack)
         try:
             self.verify = StaticVerify(self.target, cache, self.plan.verify_compile_config, self.most + 1)
             if cached:
@@ -197,7 +202,7 @@ class DeviceRound:
                 self.verify.store(given, cached, sequences.shape[1] - 1)
             return sequences
         finally:
-            give_back(self.target, cache)
+            give_back(self.target, cache, slack)
 
     def _generate(self, input_ids, budget: int, streamer, stats, cached: int) -> torch.LongTensor:
         prompt = input_ids.shape[1]

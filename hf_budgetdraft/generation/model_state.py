@@ -5,7 +5,7 @@ model) starts with none. Calls on several threads share a model's state under it
 
 - `rent`: the eager static draft-step seconds a drafter has spent in this process, the rent of the compiled step's
   ski rental (`compiled_step.py`);
-- `free_caches`, `compiled`, `shapes`: a target's static full caches between calls, its compiled verification
+- `free_caches`, `compiled`, `shapes`: a target's static caches between calls, its compiled verification
   forwards and the shapes they have compiled (`static_verify.py`).
 """
 

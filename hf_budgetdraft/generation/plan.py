@@ -13,9 +13,9 @@
 - **the CPU speed-ups** (`cpu/`), on CPU only: lean draft steps on a Llama-layout drafter's weights, few-row linear
   layers for a float32 target, and a windowed draft prefill (1024-token chunks) for a single sequence and a
   full-attention drafter whose policy does not score the prefix with the prefill's queries;
-- **the device round** (`device_loop.py`), on CUDA: the package's own loop, the target on a static full cache
-  verifying through a compiled forward (`static_verify.py`), acceptance on the device, one host read a round;
-  elsewhere transformers' loop with the target on a `GrowableCache`;
+- **the device round** (`device_loop.py`), on CUDA: the package's own loop, the target on a static cache (sliding
+  layers as rollback rings) verifying through a compiled forward (`static_verify.py`), acceptance on the device,
+  one host read a round; elsewhere transformers' loop with the target on a `GrowableCache`;
 - **draft length**: explicit settings first (`cache_config["draft_length"]`, then `num_assistant_tokens` /
   its schedule / `assistant_confidence_threshold` passed to `generate()` when they differ from transformers'
   defaults, then the drafter's own `generation_config`), else `"adaptive"`.

@@ -5,6 +5,7 @@ with the reason `DraftPlan.reasons` reports."""
 from __future__ import annotations
 
 from transformers import CompileConfig, GenerationConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..cache import has_fixed_shape_steps, is_full_attention_only
 from ..cpu import lean_step_problem
@@ -130,8 +131,32 @@ def _device_round_problem(target, batched: bool) -> str | None:
         return "a batch runs the batched loop"
     if target.config.is_encoder_decoder:
         return "the device round verifies decoder-only targets"
-    if not is_full_attention_only(target.config):
-        return "the target has layers besides full attention, which a static cache cannot roll back exactly"
+    return _target_layers_problem(target)
+
+
+_RING_ATTENTION = (
+    "sdpa",
+    "eager",
+    "budgetdraft_sdpa",
+    "budgetdraft_varlen",
+)  # masks from the cache's mask sizes
+
+
+def _target_layers_problem(target) -> str | None:
+    """Why the device round's static cache cannot hold `target`'s layers exactly (`None`: it can): full attention,
+    sliding windows as rollback rings read through masks, and layers that store nothing."""
+    config = target.config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    # ("dummy": a layer that stores nothing, reusing an earlier layer's keys or holding none)
+    others = sorted(set(layer_types) - {"full_attention", "sliding_attention", "dummy"})
+    if others:
+        return f"the target has {others} layers, which the device round's static cache cannot roll back"
+    attention = str(config._attn_implementation)
+    if "sliding_attention" in layer_types and not attention.endswith(_RING_ATTENTION):
+        return (
+            f"the target's sliding layers run attn_implementation={attention!r}, which takes a window instead of "
+            f"the mask the device round's rings need (one of {list(_RING_ATTENTION)})"
+        )
     return None
 
 

@@ -112,9 +112,10 @@ class DraftSpec:
             prefix with the prefill's queries; otherwise `None` (a full prefill). An explicit int is refused with a
             query-scored policy and in batched calls.
         device_round (`bool` or `"auto"`): run the round as device work in the package's own loop
-            (`device_loop.py`): the target on a static full cache, acceptance on the device, one host read a
-            round; `"auto"` = on CUDA, for a single sequence and a target of full-attention layers, when the call
-            asks nothing that loop does not do (see `device_loop.unsupported`).
+            (`device_loop.py`): the target on a static cache, acceptance on the device, one host read a round;
+            `"auto"` = on CUDA, for a single sequence and a target of full-attention and sliding-window layers
+            (on masked attention: sdpa, eager, budgetdraft_*), when the call asks nothing that loop does not do
+            (see `device_loop.unsupported`).
         compile_verify (`bool` or `"auto"`): compile the device round's verification forward (CUDA graphs on
             CUDA), one graph per verification-length bucket; `"auto"` = on CUDA, or wherever `generate()` is
             given a `compile_config` (which then says how).

@@ -1,5 +1,8 @@
-"""The target's side of the device round: a static full cache, and a verification forward compiled once per
+"""The target's side of the device round: a static cache, and a verification forward compiled once per
 verification-length bucket (gpt-fast's `model_forward` on a fixed-size cache; transformers' static-cache decode).
+
+The cache is transformers' `StaticCache` with each sliding-window layer a rollback ring (`RingSlidingLayer`:
+transformers' static sliding layer shifts its oldest positions out and cannot take a rejected draft back).
 
 A verification of `n` tokens is padded to its bucket, so a call compiles a handful of shapes, once per process: on
 CUDA two (1 token, a plain step; and the call's longest round: a verification of up to a few tens of tokens reads
@@ -7,7 +10,8 @@ the same weights as one, so padding costs little there, and each bucket is a com
 elsewhere 1, 2, 4, 8, ... up to the longest round; the compiled calls and the static caches are kept per target in
 `model_state.py` (keyed weakly by the model; transformers keeps its own static cache on the model itself), and reused
 by every later call of the same size. The padding writes past the verified tokens into the static cache, where
-causal masking hides it and the next round overwrites it; rollback moves the cache's write index back.
+causal masking hides it and the next round overwrites it; rollback moves the cache's write index back (a ring's
+too: its slack exceeds the longest bucket).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import Cache, CompileConfig, StaticCache
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 from transformers.utils import logging
 
+from ..cache.ring_sliding_layer import RingSlidingLayer
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
 from .compiled_step import compiling_again_failed, draft_step_compile_config, dynamo_graphs_so_far
@@ -28,6 +34,7 @@ from .model_state import model_state
 logger = logging.get_logger(__name__)
 CACHE_SIZE_STEP = 256  # static caches are sized in multiples of this, so calls of nearby lengths share one
 PREFILL_CHUNK = 2048  # prompt tokens per eager prefill forward (bounds the (chunk, cache size) mask)
+RING_SLACK = 64  # least rollback slack of a sliding layer's ring (positions beyond its window)
 
 
 def verify_compile_config(device: torch.device | str) -> CompileConfig:
@@ -67,27 +74,53 @@ def _cache_key(size: int, target) -> tuple:
     return size, target.dtype, str(target.device), torch.is_inference_mode_enabled()
 
 
-def take_cache(target, tokens: int) -> StaticCache:
-    """A static cache of at least `tokens` positions from `target`'s free ones (length reset), or a new one; a cache
-    is never shared by two calls at once."""
-    size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
-    state = model_state(target)
-    with state.lock:
-        free = state.free_caches.setdefault(_cache_key(size, target), [])
-        cache = free.pop() if free else None
-    if cache is None:
-        return StaticCache(config=target.config, max_cache_len=size)
-    for layer in cache.layers:
-        if layer.is_initialized:
-            layer.cumulative_length.zero_()
+def ring_slack(longest: int) -> int:
+    """Rollback slack of a sliding layer's ring for verifications of up to `longest` tokens."""
+    return max(RING_SLACK, longest)
+
+
+def static_target_cache(config, size: int, slack: int) -> StaticCache:
+    """transformers' `StaticCache` of `size` positions for a target of `config`, each sliding layer a ring that a
+    rollback of up to `slack` tokens undoes (`RingSlidingLayer`; a plain static layer where the ring would hold the
+    whole cache: transformers' sliding mask over absolute positions is exact on it)."""
+    cache = StaticCache(config=config, max_cache_len=size)
+    _, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    for index, (layer, kwargs) in enumerate(zip(cache.layers, layer_kwargs, strict=True)):
+        if isinstance(layer, StaticSlidingWindowLayer):
+            window = kwargs["sliding_window"]
+            ring = window - 1 + slack < size
+            cache.layers[index] = (
+                RingSlidingLayer(size, window, slack) if ring else StaticLayer(max_cache_len=size)
+            )
     return cache
 
 
-def give_back(target, cache: StaticCache) -> None:
-    """Return a call's cache to `target`'s free ones, for the next call of its size."""
+def take_cache(target, tokens: int, slack: int) -> StaticCache:
+    """A static cache of at least `tokens` positions (sliding layers: rings of `slack`) from `target`'s free ones
+    (length reset), or a new one; a cache is never shared by two calls at once."""
+    size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
     state = model_state(target)
     with state.lock:
-        state.free_caches.setdefault(_cache_key(cache.layers[0].max_cache_len, target), []).append(cache)
+        free = state.free_caches.setdefault((*_cache_key(size, target), slack), [])
+        cache = free.pop() if free else None
+    if cache is None:
+        return static_target_cache(target.config, size, slack)
+    for layer in _written(cache):
+        layer.cumulative_length.zero_()
+    return cache
+
+
+def _written(cache: StaticCache) -> list[StaticLayer]:
+    """The layers of `cache` holding keys (not those reusing another layer's: Gemma 3n / Gemma 4)."""
+    return [layer for layer in cache.layers if isinstance(layer, StaticLayer) and layer.is_initialized]
+
+
+def give_back(target, cache: StaticCache, slack: int) -> None:
+    """Return a call's cache (taken with `slack`) to `target`'s free ones, for the next call of its size."""
+    state = model_state(target)
+    with state.lock:
+        key = (*_cache_key(cache.layers[0].max_cache_len, target), slack)
+        state.free_caches.setdefault(key, []).append(cache)
 
 
 def _call(model, **kwargs):
@@ -113,7 +146,8 @@ _first_call_of_shape = threading.Lock()
 
 @dataclass
 class VerifyRecord:
-    """What the verification forward did in one call: calls compiled and eager, buckets, graphs compiled."""
+    """What the verification forward did in one call: calls compiled and eager, buckets, graphs compiled, the
+    cache's rings."""
 
     compiled: bool = False
     compiled_calls: int = 0
@@ -121,6 +155,7 @@ class VerifyRecord:
     buckets: dict = field(default_factory=dict)  # bucket -> verifications
     new_shapes: int = 0  # (bucket, cache size) pairs compiled for the first time in this process by this call
     graphs_compiled: int = 0  # dynamo graphs compiled during this call's compiled verifications
+    ring_layers: int = 0  # sliding layers verifying on rollback rings (`RingSlidingLayer`)
     failure: str | None = None
 
     @property
@@ -140,7 +175,8 @@ class StaticVerify:
     def __init__(self, target, cache: StaticCache, compile_config: CompileConfig | None, longest: int):
         self.target, self.cache = target, cache
         self.sizes = buckets(longest, coarse=target.device.type == "cuda")
-        self.record = VerifyRecord(compiled=compile_config is not None)
+        rings = sum(isinstance(layer, RingSlidingLayer) for layer in cache.layers)
+        self.record = VerifyRecord(compiled=compile_config is not None, ring_layers=rings)
         self.compiled_fn, self.shapes, self.padded_to = None, None, 0
         # how far positions run past the cache's count (after an image: `prefill_with`)
         self.position_offset = 0
@@ -231,9 +267,8 @@ class StaticVerify:
         the padding leave the cache. Device work queued behind the verification (one `sub_` a layer), so it needs
         no host read and, on CUDA, runs while the host waits for the round's accepted count."""
         back = (self.padded_to - 1) - kept
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.sub_(back)
+        for layer in _written(self.cache):
+            layer.cumulative_length.sub_(back)
 
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
         """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:

@@ -3,20 +3,25 @@ verification padded to buckets and compiled (eager or counting backends here), a
 read a round. Greedy output is the target's own on the test families; graphs compile once per shape and process;
 a failed compilation falls back losslessly without poisoning later compilations."""
 
+import copy
+
 import pytest
 import torch
 from compile_counter import graph_counter
 from resolved_plans import plan_for
 from test_device_rules import HostReads
-from tiny_families import family_pair
+from tiny_families import family_pair, kv_sharing_model
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
 from torch.overrides import TorchFunctionMode
 from torch_support import needs_traceable_transformers
-from transformers import CompileConfig
+from transformers import CompileConfig, DynamicCache, GenerationConfig
 
 from hf_budgetdraft import record_speculation
+from hf_budgetdraft.attention.scoped import using_attention
 from hf_budgetdraft.cache import is_full_attention_only
-from hf_budgetdraft.generation.device_loop import DeviceRound
+from hf_budgetdraft.cache.ring_sliding_layer import RingSlidingLayer
+from hf_budgetdraft.compat import cache_kwargs
+from hf_budgetdraft.generation.device_loop import DeviceRound, unsupported
 from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.model_state import model_state
@@ -199,11 +204,69 @@ def test_a_confidence_threshold_keeps_transformers_loop():
         plan_for(target, drafter, cache_config=ROUND, assistant_confidence_threshold=0.3)
 
 
-def test_a_target_with_sliding_layers_keeps_transformers_loop():
-    target, drafter = model_pair("gemma2", "eager", num_assistant_tokens=None)
-    with pytest.raises(ValueError, match="besides full attention"):
+def _sliding_pair(family: str):
+    if family in ("gemma4_text", "gemma3n_text"):  # their last layers reuse the keys of earlier ones
+        target = kv_sharing_model(family)
+        return target, copy.deepcopy(target)
+    target, drafter = family_pair(family, num_assistant_tokens=None)
+    if family == "mistral-all-sliding":  # a copy of itself on its own cache would never be rejected
+        drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)[1]
+    return target, drafter
+
+
+def _ring_layers(target) -> list:
+    return [
+        layer
+        for caches in model_state(target).free_caches.values()
+        for cache in caches
+        for layer in cache.layers
+        if isinstance(layer, RingSlidingLayer)
+    ]
+
+
+SLIDING_TARGETS = ["gemma2", "gemma3", "cohere2", "gpt_oss", "olmo3", "mistral-all-sliding", "gemma4_text"]
+
+
+@pytest.mark.parametrize("family", [*SLIDING_TARGETS, "gemma3n_text"])
+def test_a_target_with_sliding_layers_verifies_on_rings(family):
+    """A target's sliding layers verify on rollback rings (transformers' static sliding layer shifts its oldest
+    positions out and cannot take a rejected draft back): the output is the target's own, with rejections."""
+    target, drafter = _sliding_pair(family)
+    ids = random_prompt(200, seed=3).clamp(min=3)  # (a pad id in the prompt makes transformers infer padding)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=40)
+    out, stats = speculate(target, drafter, ids, "sink_window", {"draft_length": 4})
+    assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+    assert 0 < sum(stats.accepted_per_round) < sum(stats.proposed_per_round)
+    assert _ring_layers(target)  # the 200-token prompt wraps each ring (its window is 24 or 32)
+
+
+@needs_traceable_transformers
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "gemma4_text"])
+def test_a_compiled_verification_over_rings_compiles_once(family, fresh_dynamo):
+    """The rings' steps have fixed shapes and device offsets: one graph per bucket, none in a second call."""
+    target, drafter = _sliding_pair(family)
+    backend, graphs = graph_counter()
+    ids = random_prompt(200, seed=3).clamp(min=3)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=30)
+    for call in range(2):
+        out, stats = speculate_compiled(target, drafter, ids, backend, cache="sink_window")
+        verify = stats.runtime["verify"]
+        assert torch.equal(out, expected) and verify["failure"] is None and verify["eager_calls"] == 0
+        assert verify["compiled_calls"] == stats.rounds and verify["recompiles"] == 0
+        assert verify["new_shapes"] == (len(graphs) if call == 0 else 0)
+
+
+def test_targets_the_rings_cannot_serve_keep_transformers_loop():
+    """Layers besides attention, a kernel that takes a window instead of a mask, a cache passed to the call."""
+    target, drafter = family_pair("lfm2", num_assistant_tokens=None)
+    with pytest.raises(ValueError, match=r"\['conv'\] layers"):
         plan_for(target, drafter, cache_config=ROUND)
-    assert "besides full attention" in plan_for(target, drafter).reasons["device_round"]
+    target, drafter = family_pair("gemma3", num_assistant_tokens=None)
+    with using_attention(target, "flash_attention_2"):
+        assert "takes a window instead of the mask" in plan_for(target, drafter).reasons["device_round"]
+    given = DynamicCache(config=target.config)
+    given._is_user_defined = True  # as transformers marks a cache its caller passed
+    assert "sliding layers" in unsupported(target, GenerationConfig(), cache_kwargs(given), random_prompt(20))
 
 
 @needs_traceable_transformers

@@ -110,7 +110,8 @@ def test_the_device_round_leaves_an_embedded_prompt_to_transformers_loop():
     ids = random_prompt(150, seed=7)
     embeds = soft_prompt(target, ids)
     assert (
-        unsupported(GenerationConfig(), {"inputs_embeds": embeds}, ids) == "a prompt given as inputs_embeds"
+        unsupported(target, GenerationConfig(), {"inputs_embeds": embeds}, ids)
+        == "a prompt given as inputs_embeds"
     )
     with pytest.raises(ValueError, match="device_round=True, but a prompt given as inputs_embeds"):
         speculate(target, drafter, ids, embeds, cache_config={"device_round": True})

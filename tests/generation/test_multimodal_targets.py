@@ -5,6 +5,7 @@ round) and its chunked prefill feed ids and counted positions only, so a call wi
 loop, or is refused where it has none."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -255,14 +256,15 @@ def test_what_the_loops_do_not_carry():
         "pixel_values",
     ]
     # the device round's prefill takes what transformers' loop feeds its first forward only; nothing else
-    assert unsupported(GenerationConfig(), {"pixel_values": torch.ones(1)}, ids[:1]) is None
-    assert unsupported(GenerationConfig(), {"image_grid_thw": torch.ones(1, 3)}, ids[:1]) == (
+    target = SimpleNamespace(config=LlamaConfig())  # (only a passed cache reads the target's layers)
+    assert unsupported(target, GenerationConfig(), {"pixel_values": torch.ones(1)}, ids[:1]) is None
+    assert unsupported(target, GenerationConfig(), {"image_grid_thw": torch.ones(1, 3)}, ids[:1]) == (
         "model inputs it does not feed the target (['image_grid_thw'])"
     )
     given = DynamicCache()
     given._is_user_defined = True  # as transformers marks a cache its caller passed
     assert unsupported(
-        GenerationConfig(), {"pixel_values": torch.ones(1), **cache_kwargs(given)}, ids[:1]
+        target, GenerationConfig(), {"pixel_values": torch.ones(1), **cache_kwargs(given)}, ids[:1]
     ) == ("['pixel_values'] in a call continuing a cache it was given")
 
 

@@ -77,14 +77,19 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
 
     families = merged["parts"]["families"]["families"]
     assert set(families) == {
-        "gemma3_sliding", "cohere2_sliding", "mistral_all_sliding", "gemma4_kv_sharing", "device_round_sliding_drafter"
+        "gemma3_sliding", "cohere2_sliding", "mistral_all_sliding", "gemma4_kv_sharing", "device_round_sliding_drafter",
+        "device_round_sliding_target",
     }  # fmt: skip
     for name, calls in families.items():
         first, second = (calls[f"call{k}"]["runtime"]["draft_step"] for k in range(2))
         assert all(call["diff_tokens"] == 0 for call in calls.values())
         assert first["graphs_compiled"] == 1 and second["graphs_compiled"] == 0
         assert first["eager_calls"] == second["eager_calls"] == 0
-        if name != "device_round_sliding_drafter":  # a copy reading every key
+        if name.startswith("device_round"):  # the verification compiled on a Llama target, or on rings
+            first_verify, second_verify = (calls[f"call{k}"]["runtime"]["verify"] for k in range(2))
+            assert first_verify["new_shapes"] > 0 and second_verify["graphs_compiled"] == 0
+            assert (first_verify["ring_layers"] > 0) == (name == "device_round_sliding_target")
+        else:  # a copy reading every key
             assert all(call["accepted"] == call["proposed"] > 0 for call in calls.values())
 
 
