@@ -72,7 +72,6 @@ from .generation.candidate_generator import SparseDraftCandidateGenerator
 from .generation.device_loop import run_device_round
 from .generation.device_loop import unsupported as unsupported_by_device_round
 from .generation.dflash import windowed_dflash_cache
-from .generation.draft_length import for_mtp
 from .generation.draft_prefix import reusing_read_prompts
 from .generation.model_inputs import uncarried_inputs
 from .generation.mtp_heads import expose_mtp_layers
@@ -90,7 +89,7 @@ from .generation.spec import CACHE_CLASSES, DraftSpec
 from .generation.stats import active_recorder, instrument
 from .generation.stops import EveryTokenStops
 from .generation.windowed_assistant import WindowedAssistantCandidateGenerator, is_shared_kv_assistant
-from .generation.windowed_mtp import AdaptiveMtpCandidateGenerator, windowed_mtp_cache
+from .generation.windowed_mtp import windowed_mtp_generator
 
 logger = logging.get_logger(__name__)
 SPARSE_CACHE_IMPLEMENTATIONS: dict[str, type[SparseDraftCache]] = CACHE_CLASSES
@@ -220,10 +219,7 @@ def _windowed_builtin_generator(self, name, generation_config, assistant_model, 
             )
         spec = WindowedSpec.from_cache_config("mtp", generation_config.cache_config)
         expose_mtp_layers(self)
-        generator = stock_generator()
-        generator.mtp_cache = windowed_mtp_cache(self, spec)
-        policy = for_mtp(spec.draft_length, generator.num_mtp_layers)
-        return generator if policy is None else AdaptiveMtpCandidateGenerator(generator, policy)
+        return windowed_mtp_generator(self, stock_generator(), spec)
     if assistant_model is None:
         raise ValueError("speculation_type='dflash' needs assistant_model=<a DFlash drafter>")
     spec = WindowedSpec.from_cache_config("dflash", generation_config.cache_config)

@@ -4,10 +4,10 @@ Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts wi
 `windowed_mtp_cache` builds the `WindowedMtpCache` (`hf_budgetdraft.cache.draft_head_caches`) that replaces it from
 `generate()`'s `cache_config`.
 
-`cache_config={"static": True}` (with the model loaded with `attn_implementation="budgetdraft_varlen"`) keeps the
-ring in slot order: each draft step — and the step that absorbs a round's verified tokens — reads the sink + ring
-buffer in place under a slot mask instead of gathering `[sink, window, new]` into a fresh tensor, a copy of the
-whole window per step (measured by `benchmarks/mtp_cost.py`, `benchmarks/results/mtp_cost_*.md`).
+`cache_config={"static": True}` keeps the ring in slot order (the MTP model's forwards run
+`attn_implementation="budgetdraft_varlen"` for the call, the target keeps its own): each draft step — and the step
+that absorbs a round's verified tokens — reads the sink + ring buffer in place under a slot mask instead of gathering
+`[sink, window, new]` into a fresh tensor, a copy of the whole window per step (measured by `benchmarks/mtp_cost.py`, `benchmarks/results/mtp_cost_*.md`).
 
 `AdaptiveMtpCandidateGenerator` lets the draft-length policy of the assistant path drive a one-layer MTP head:
 each round it drafts (γ = 1) or lets the target take a plain AR step (γ = 0); the head catches up on the skipped
@@ -16,36 +16,81 @@ tokens' hidden states when it drafts again.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 from transformers.utils import logging
 
+from ..attention.scoped import attention_scope
+from ..attention.varlen import NAME as VARLEN
 from ..cache.draft_cache import SinkWindowCache
 from ..cache.draft_head_caches import WindowedMtpCache
 from ..compat import activate_past_recording
 from .cache_config import WindowedSpec
-from .draft_length import DraftLength, RoundClock
+from .draft_length import DraftLength, RoundClock, for_mtp
+from .plan import SDPA_FAMILY, static_cache_problem
 
 logger = logging.get_logger(__name__)
 
 
-def windowed_mtp_cache(main_model: PreTrainedModel, spec: WindowedSpec | dict | None) -> WindowedMtpCache:
+def windowed_mtp_cache(
+    main_model: PreTrainedModel, spec: WindowedSpec | dict | None, mtp_config: PreTrainedConfig | None = None
+) -> WindowedMtpCache:
     """The windowed cache for `main_model`'s MTP layers, from a call's `cache_config` (parsed, or a dict parsed
-    here)."""
+    here); `mtp_config`: the config the MTP model was built with (default: `main_model.config.get_mtp_config()`)."""
     if not isinstance(spec, WindowedSpec):
         spec = WindowedSpec.from_cache_config("mtp", spec)
     options = dict(spec.cache_options)
     num_mtp_layers = main_model.config.get_text_config().num_mtp_layers
     # multi-depth MTP rolls its cache back by `num_mtp_layers` tokens when a chain is rejected
     options.setdefault("slack", max(32, num_mtp_layers + 1))
-    cache = WindowedMtpCache(config=main_model.config.get_mtp_config(), **options)
+    cache = WindowedMtpCache(config=mtp_config or main_model.config.get_mtp_config(), **options)
     # natively sliding MTP layers (kept as they are) must keep what a rollback needs; depth 1 never rolls back
     if num_mtp_layers > 1:
         activate_past_recording(cache)
     return cache
+
+
+def windowed_mtp_generator(
+    main_model: PreTrainedModel, generator: MTPCandidateGenerator, spec: WindowedSpec
+) -> MTPCandidateGenerator:
+    """transformers' MTP candidate generator `generator` drafting on the windowed cache `spec` asks for, under the
+    draft-length policy it names. With `static`, the MTP model's own forwards run `budgetdraft_varlen` (which reads
+    the ring in place) for the call: the target keeps its attention, and no config is written."""
+    scope = (
+        _static_mtp_scope(generator.mtp_model) if spec.cache_options.get("static") else contextlib.nullcontext
+    )
+    with scope():
+        generator.mtp_cache = windowed_mtp_cache(main_model, spec, generator.mtp_model.config)
+    policy = for_mtp(spec.draft_length, generator.num_mtp_layers)
+    if policy is not None:
+        generator = AdaptiveMtpCandidateGenerator(generator, policy)
+    if scope is not contextlib.nullcontext:  # every MTP forward of the call runs inside `get_candidates`
+        drafting = generator.get_candidates
+
+        def get_candidates(*args, **kwargs):
+            with scope():
+                return drafting(*args, **kwargs)
+
+        generator.get_candidates = get_candidates  # this call's generator only
+    return generator
+
+
+def _static_mtp_scope(mtp_model: PreTrainedModel):
+    """`attention_scope(mtp_model, "budgetdraft_varlen")`, or why an MTP head cannot read a static ring."""
+    implementation = mtp_model.config._attn_implementation
+    problem = static_cache_problem(mtp_model)
+    if implementation not in SDPA_FAMILY or not mtp_model._can_set_attn_implementation():
+        problem = f"it runs attn_implementation={implementation!r}, not an sdpa-family attention"
+    if problem:
+        raise ValueError(
+            f"static=True reads the MTP ring through budgetdraft_varlen, but this model's MTP head cannot: {problem}. "
+            "Use cache_config={'static': False}"
+        )
+    return attention_scope(mtp_model, VARLEN)
 
 
 class AdaptiveMtpCandidateGenerator(MTPCandidateGenerator):

@@ -100,7 +100,9 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     family, num_mtp_layers, tmp_root, monkeypatch
 ):
     """`cache_config={"static": True}`: every draft forward after the prefill (one-token steps and the multi-token
-    absorption of a round's verified tokens) is a slot-order step, and the drafts equal the dynamic ring's."""
+    absorption of a round's verified tokens) is a slot-order step, and the drafts equal the dynamic ring's. The model
+    stays as loaded: the MTP head reads the ring through budgetdraft_varlen for the call, the target verifies on its
+    own attention."""
     model = load(family, tmp_root, num_mtp_layers)
     skip_unless_static(model)
     ids = random_prompt(400)
@@ -109,7 +111,8 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     _, dynamic_stats = generate(
         model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=fixed
     )
-    model.set_attn_implementation("budgetdraft_varlen")
+    verified_on = []
+    model.register_forward_pre_hook(lambda module, args: verified_on.append(module.config._attn_implementation))
     forwards = []
     step, block = StaticDraftLayer._step, DraftLayer.update
     monkeypatch.setattr(
@@ -125,7 +128,8 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     out, stats = generate(
         model, ids, use_mtp=True, cache_implementation="sink_window", cache_config={**fixed, "static": True}
     )
-    assert torch.equal(out, expected)
+    assert torch.equal(out, expected) and model.config._attn_implementation == "sdpa"
+    assert verified_on and "budgetdraft_varlen" not in verified_on
     assert stats.accepted_per_round == dynamic_stats.accepted_per_round
     assert stats.proposed_per_round == dynamic_stats.proposed_per_round
     blocks = [n for kind, n in forwards if kind == "block"]
@@ -136,9 +140,10 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
     assert sum(kind == "step" for kind, _ in forwards) >= stats.rounds - 2  # every later forward: in place
 
 
-def test_static_windowed_mtp_needs_varlen_attention(tmp_root):
+def test_static_windowed_mtp_needs_an_sdpa_family_head(tmp_root):
     model = load("glm4_moe", tmp_root)
-    with pytest.raises(ValueError, match="budgetdraft_varlen"):
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="MTP head cannot: it runs attn_implementation='eager'"):
         model.generate(
             random_prompt(64),
             max_new_tokens=4,
