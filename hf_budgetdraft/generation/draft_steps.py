@@ -27,7 +27,6 @@ from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix, drafter_media
 from .compiled_step import compiling_again_failed, dynamo_graphs_so_far
-from .device_rules import device_rules
 from .draft_length.clock import synchronize
 
 logger = logging.get_logger(__name__)
@@ -243,8 +242,9 @@ class DraftSteps:
         block = CheckedLeanStep(model, cache, spec.slack, eager) if spec.lean_step else eager
         token = CompiledStep(model, cache, plan.compile_config, block) if spec.compile else block
         prefill = Prefill(eager, spec.prefill_window, spec.num_sink_tokens, capture_queries, media)
-        one_by_one = device_rules(model.device, model.dtype).compiled_catch_up
-        return cls(prefill=prefill, block=block, token=token, eager=eager, tokens_one_by_one=one_by_one)
+        return cls(
+            prefill=prefill, block=block, token=token, eager=eager, tokens_one_by_one=plan.compiled_catch_up
+        )
 
     @property
     def compiled(self) -> bool:
@@ -287,6 +287,11 @@ class DraftSteps:
             return self.token(feed, positions)
         if self.compiled and feed.shape[1] <= self.tokens_one_by_one:
             for k in range(feed.shape[1]):
-                logits = self.token(feed[:, k : k + 1], positions[:, k : k + 1])
+                # copies with their own layout: a (1, 1) slice keeps the block's row stride, which a compiled step
+                # would take for a new input and compile again
+                token, position = (
+                    t[:, k : k + 1].clone(memory_format=torch.contiguous_format) for t in (feed, positions)
+                )
+                logits = self.token(token, position)
             return logits
         return self.block(feed, positions)

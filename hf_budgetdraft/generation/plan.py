@@ -112,6 +112,8 @@ class DraftPlan:
         device_round (`bool`): the call runs the device round (`device_loop.py`).
         verify_compile_config (`CompileConfig`, *optional*): how the device round's verification compiles
             (`None`: eagerly).
+        compiled_catch_up (`int`): a draft block of up to this many tokens runs through the compiled one-token step,
+            a token at a time (0: never; the device rules' choice, applied only where the step compiles).
         device_type (`str`): the drafter's device type the choices were made for (`device_rules.py`).
         batched (`bool`): the call runs the batched loop (`DraftSpec.runs_batched`).
         reasons (`dict[str, str]`): why each automatic choice came out as it did (measured, or an estimate).
@@ -128,6 +130,7 @@ class DraftPlan:
     compile_config: CompileConfig | None = None
     device_round: bool = False
     verify_compile_config: CompileConfig | None = None
+    compiled_catch_up: int = 0
     device_type: str = "cpu"
     batched: bool = False
     reasons: dict = field(default_factory=dict, compare=False)
@@ -238,6 +241,7 @@ def resolve_plan(
         compile_config=compile_config if compiled else None,
         device_round=device_round,
         verify_compile_config=verify_config,
+        compiled_catch_up=rules.compiled_catch_up if compiled else 0,
         device_type=rules.device_type,
         batched=batched,
         reasons={
@@ -252,5 +256,6 @@ def resolve_plan(
             "device_round": round_reason,
             "compile_verify": verify_reason,
             "round_clock": rules.reasons["round_clock"],
+            "compiled_catch_up": rules.reasons["compiled_catch_up"],
         },
     )

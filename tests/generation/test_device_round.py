@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from compile_counter import graph_counter
-from resolved_plans import plan_for
+from resolved_plans import cuda_rules_on_cpu, plan_for
 from test_device_rules import HostReads
 from tiny_families import family_pair, kv_sharing_model
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
@@ -177,7 +177,8 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
 @needs_traceable_transformers
 def test_the_compiled_draft_step_compiles_once_across_rounds(fresh_dynamo):
     """A round's first feed is a slice of the round's token buffer, copied with its own layout: a (1, 1) slice keeps
-    the buffer's row stride, which the compiled step took for a new input and compiled again at the next round."""
+    the buffer's row stride, which the compiled step took for a new input and compiled again at the next round. The
+    same for CUDA's catch-up after a fully accepted round, which feeds its tokens one at a time."""
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     backend, graphs = graph_counter()
     drafter.generation_config.compile_config = CompileConfig(
@@ -185,7 +186,9 @@ def test_the_compiled_draft_step_compiles_once_across_rounds(fresh_dynamo):
     )
     ids = random_prompt(120, seed=3)
     expected = target.generate(ids, do_sample=False, max_new_tokens=40)
-    out, stats = speculate(target, drafter, ids, cache_config={"draft_length": 3, "lean_step": False})
+    with cuda_rules_on_cpu():  # (the catch-up a token at a time is CUDA's rule)
+        out, stats = speculate(target, drafter, ids, cache_config={"draft_length": 3, "lean_step": False})
+    assert stats.plan.compiled_catch_up > 0
     record = stats.runtime["draft_step"]
     assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
     assert 0 < sum(stats.accepted_per_round) < sum(stats.proposed_per_round)  # rounds of every kind

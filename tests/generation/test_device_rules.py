@@ -60,7 +60,7 @@ def test_a_plan_for_a_cuda_drafter_takes_the_cuda_rules(monkeypatch):
     target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     cpu = plan_for(target, drafter)
     assert cpu.device_type == "cpu" and cpu.spec.lean_step and cpu.spec.prefill_window and cpu.target_linear
-    assert cpu.spec.compile is False and "not yet" in cpu.reasons["compile"]
+    assert cpu.spec.compile is False and "not yet" in cpu.reasons["compile"] and cpu.compiled_catch_up == 0
     # the models' weights stay on the CPU; only the device the plan reads is CUDA
     monkeypatch.setattr(type(drafter), "device", property(lambda self: torch.device("cuda")))
     plan = plan_for(target, drafter)
@@ -76,8 +76,12 @@ def test_a_plan_for_a_cuda_drafter_takes_the_cuda_rules(monkeypatch):
         "prefill_window",
         "target_linear",
         "round_clock",
+        "compiled_catch_up",
     }
-    assert plan_for(target, drafter, disable_compile=True).spec.compile is False
+    # a catch-up of a few tokens runs the compiled step a token at a time: only where the step compiles
+    assert plan.compiled_catch_up == 4
+    uncompiled = plan_for(target, drafter, disable_compile=True)
+    assert uncompiled.spec.compile is False and uncompiled.compiled_catch_up == 0
     assert plan_for(target, drafter, cache_config={"lean_step": True}).spec.lean_step is True  # asked: kept
 
 

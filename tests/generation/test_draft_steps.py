@@ -81,7 +81,9 @@ def test_a_plan_picks_its_steps_once():
 @torch.no_grad()
 def test_a_short_block_goes_through_the_compiled_step_one_token_at_a_time(fresh_dynamo):
     """With `tokens_one_by_one` (CUDA's device rule), a catch-up block of a few tokens runs the compiled one-token
-    step per token: the same cache writes and last logits as the block forward, no eager block."""
+    step per token: the same cache writes and last logits as the block forward, no eager block, and no graph beyond
+    the one-token step's (a (1, 1) slice of the block keeps its row stride, which compiled a second graph: the step
+    then drafted eagerly for the rest of the call)."""
     drafter, (reference_cache, cache) = static_drafter_and_caches(2)
     prompt = random_prompt(90, seed=5)
     reference = ForwardStep(drafter, reference_cache)
@@ -99,12 +101,15 @@ def test_a_short_block_goes_through_the_compiled_step_one_token_at_a_time(fresh_
     blocks = []
     original = eager.__call__
     steps.block = lambda feed, positions: blocks.append(feed.shape[1]) or original(feed, positions)
+    reference(torch.tensor([[9]]), torch.tensor([[90]]))
+    steps(torch.tensor([[9]]), 90, None)  # a one-token step first: its graph
     feed = torch.tensor([[5, 6, 7]])
-    logits = steps(feed, 90, None)
-    torch.testing.assert_close(logits, reference(feed, torch.arange(90, 93)[None]), rtol=1e-4, atol=1e-4)
-    assert steps.token.compiled_calls == 3 and blocks == []
-    steps(torch.tensor([[1, 2, 3, 4]]), 93, None)  # longer than tokens_one_by_one: one block forward
-    assert blocks == [4] and steps.token.compiled_calls == 3
+    logits = steps(feed, 91, None)
+    torch.testing.assert_close(logits, reference(feed, torch.arange(91, 94)[None]), rtol=1e-4, atol=1e-4)
+    assert steps.token.compiled_calls == 4 and blocks == []
+    assert steps.token.graphs_compiled == 1 and steps.token.recompiles == 0 and not steps.token.failed
+    steps(torch.tensor([[1, 2, 3, 4]]), 94, None)  # longer than tokens_one_by_one: one block forward
+    assert blocks == [4] and steps.token.compiled_calls == 4
 
 
 def _fullgraph_counter():

@@ -112,7 +112,9 @@ def test_static_windowed_mtp_reads_the_ring_in_place_and_drafts_the_same(
         model, ids, use_mtp=True, cache_implementation="sink_window", cache_config=fixed
     )
     verified_on = []
-    model.register_forward_pre_hook(lambda module, args: verified_on.append(module.config._attn_implementation))
+    model.register_forward_pre_hook(
+        lambda module, args: verified_on.append(module.config._attn_implementation)
+    )
     forwards = []
     step, block = StaticDraftLayer._step, DraftLayer.update
     monkeypatch.setattr(
