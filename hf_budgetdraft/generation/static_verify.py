@@ -264,11 +264,11 @@ class StaticVerify:
 
     def keep(self, kept: torch.Tensor) -> None:
         """After a verification, keep its newest token and `kept (0-dim, device)` drafts: the rejected drafts and
-        the padding leave the cache. Device work queued behind the verification (one `sub_` a layer), so it needs
-        no host read and, on CUDA, runs while the host waits for the round's accepted count."""
+        the padding leave the cache. Device work queued behind the verification (one fused subtraction from every
+        layer's count: one kernel on CUDA, however many layers), so it needs no host read and, on CUDA, runs while
+        the host waits for the round's accepted count."""
         back = (self.padded_to - 1) - kept
-        for layer in _written(self.cache):
-            layer.cumulative_length.sub_(back)
+        torch._foreach_add_([layer.cumulative_length for layer in _written(self.cache)], back, alpha=-1)
 
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
         """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:

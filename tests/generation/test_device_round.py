@@ -13,6 +13,7 @@ from test_device_rules import HostReads
 from tiny_families import family_pair, kv_sharing_model
 from tiny_models import FAMILIES, model_pair, random_prompt, skip_unless_known, supports
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
@@ -25,7 +26,7 @@ from hf_budgetdraft.generation.device_loop import DeviceRound, unsupported
 from hf_budgetdraft.generation.device_rules import device_rules
 from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.model_state import model_state
-from hf_budgetdraft.generation.static_verify import StaticVerify, bucket_of, buckets
+from hf_budgetdraft.generation.static_verify import StaticVerify, bucket_of, buckets, ring_slack, take_cache
 
 ROUND = {"device_round": True}
 SIZES = {
@@ -408,6 +409,35 @@ def test_the_targets_rollback_is_queued_before_the_rounds_read(monkeypatch):
     lengths = {id(layer.cumulative_length) for layer in cache.layers}
     stored = {id(t) for layer in cache.layers for t in (layer.keys, layer.values)}
     assert not window.touched & (lengths | stored)
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The aten operations run inside the block (each a kernel launch on CUDA when eager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_the_targets_rollback_is_one_operation_however_many_layers():
+    """Outside the compiled graphs every operation is a launch the host pays for each round: the rollback of every
+    layer's count is one fused subtraction (an 8B target has 32 layers)."""
+    target, _ = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    cache = take_cache(target, 64, ring_slack(4))
+    verify = StaticVerify(target, cache, None, 4)
+    ids = random_prompt(20, seed=1)
+    verify.prefill(ids)
+    verify(ids[:, :4], 20)
+    kept = torch.tensor(1)
+    with DispatchedOps() as dispatched:
+        verify.keep(kept)
+    assert len(dispatched.ops) == 2 and dispatched.ops[-1].startswith("aten._foreach_add_")  # (back, then it)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [22] * target.config.num_hidden_layers
 
 
 def test_sampling_runs_on_the_device_and_top_k_1_is_greedy():
