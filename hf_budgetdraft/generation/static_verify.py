@@ -153,7 +153,7 @@ class VerifyRecord:
     compiled_calls: int = 0
     eager_calls: int = 0
     buckets: dict = field(default_factory=dict)  # bucket -> verifications
-    new_shapes: int = 0  # (bucket, cache size) pairs compiled for the first time in this process by this call
+    new_shapes: int = 0  # (bucket, cache size and rings) shapes this call compiled first in this process
     graphs_compiled: int = 0  # dynamo graphs compiled during this call's compiled verifications
     ring_layers: int = 0  # sliding layers verifying on rollback rings (`RingSlidingLayer`)
     failure: str | None = None
@@ -175,8 +175,10 @@ class StaticVerify:
     def __init__(self, target, cache: StaticCache, compile_config: CompileConfig | None, longest: int):
         self.target, self.cache = target, cache
         self.sizes = buckets(longest, coarse=target.device.type == "cuda")
-        rings = sum(isinstance(layer, RingSlidingLayer) for layer in cache.layers)
-        self.record = VerifyRecord(compiled=compile_config is not None, ring_layers=rings)
+        rings = [layer.ring_size for layer in cache.layers if isinstance(layer, RingSlidingLayer)]
+        self.record = VerifyRecord(compiled=compile_config is not None, ring_layers=len(rings))
+        # what a compiled forward's shapes depend on besides its bucket: the cache's size and its rings'
+        self.cache_shape = (cache.layers[0].max_cache_len, *sorted(set(rings)))
         self.compiled_fn, self.shapes, self.padded_to = None, None, 0
         # how far positions run past the cache's count (after an image: `prefill_with`)
         self.position_offset = 0
@@ -242,9 +244,8 @@ class StaticVerify:
         one forward each at `start`, rolled back after. Rounds then never compile."""
         if self.compiled_fn is None:
             return
-        size = self.cache.layers[0].max_cache_len
         for bucket in self.sizes:
-            if (bucket, size) not in self.shapes and self.record.failure is None:
+            if (bucket, *self.cache_shape) not in self.shapes and self.record.failure is None:
                 ids = torch.zeros(1, bucket, dtype=torch.long, device=self.target.device)
                 self._compiled(ids, start, bucket, counted=False)
                 self.cache.crop(-bucket)
@@ -273,7 +274,7 @@ class StaticVerify:
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
         """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:
         recorded as a verification, not a capture)."""
-        shape = (size, self.cache.layers[0].max_cache_len)
+        shape = (size, *self.cache_shape)
         if shape in self.shapes:
             try:
                 logits = self._counted(padded, start)

@@ -260,6 +260,16 @@ def test_a_compiled_verification_over_rings_compiles_once(family, fresh_dynamo):
         assert verify["new_shapes"] == (len(graphs) if call == 0 else 0)
 
 
+def test_a_compiled_verification_is_keyed_by_its_rings_too():
+    """A ring's size (its window and the call's slack) is a shape the compiled forward depends on, like the cache's
+    size: a call with another slack is a new shape, not a recompilation."""
+    target, _ = family_pair("gemma3")  # sliding_window 24
+    shapes = {StaticVerify(target, take_cache(target, 300, slack), None, 4).cache_shape for slack in (64, 96)}
+    assert shapes == {(512, 23 + 64), (512, 23 + 96)}
+    llama, _ = model_pair("llama", "sdpa")
+    assert StaticVerify(llama, take_cache(llama, 300, 64), None, 4).cache_shape == (512,)  # no rings
+
+
 def test_targets_the_rings_cannot_serve_keep_transformers_loop():
     """Layers besides attention, a kernel that takes a window instead of a mask, a cache passed to the call."""
     target, drafter = family_pair("lfm2", num_assistant_tokens=None)
