@@ -27,7 +27,6 @@ from hf_budgetdraft.cache import DraftLayer, StaticDraftLayer, draft_cache, get_
 from hf_budgetdraft.compat import cache_kwargs
 from hf_budgetdraft.generation.draft_steps import DraftSteps
 from hf_budgetdraft.generation.mtp_heads import expose_mtp_layers, new_mtp_head, save_pretrained_with_mtp
-from hf_budgetdraft.generation.plan import supports_static_cache
 from hf_budgetdraft.generation.windowed_mtp import windowed_mtp_cache
 
 PROMPT_LENGTH, NEW_TOKENS = 240, 32
@@ -224,7 +223,6 @@ def test_a_drafter_with_a_relative_position_bias_drafts_on_the_dynamic_cache():
     assert torch.equal(out, _target_greedy("inkling"))
     assert stats.plan.spec.static is False
     assert sum(stats.accepted_per_round) == sum(stats.proposed_per_round) > 0
-    skip_unless_static(family_pair("glm4")[0])  # before 5.24 no family has a static draft cache
     assert "position bias" in stats.plan.reasons["static"]
     with pytest.raises(ValueError, match="InklingAttention adds a position bias.*'static': False"):
         target.generate(
@@ -345,8 +343,7 @@ def test_a_kv_sharing_drafter_reads_the_same_keys_on_both_storages(model_type, w
     Both storages then draft round for round alike (before, a wrapped ring was read as if slot = position), and a
     window covering the call accepts every draft."""
     target = kv_sharing_model(model_type)
-    if not supports_static_cache(target):
-        pytest.skip(f"{model_type}'s attention passes no kwargs to the cache in this transformers release")
+    skip_unless_static(target)
     ids = random_prompt(160, seed=1).clamp(min=3)  # no pad ids
     expected = target.generate(ids, do_sample=False, max_new_tokens=24)
     rounds = {}

@@ -110,9 +110,9 @@ def skip_unless_known(model_type: str) -> None:
 
 
 def skip_unless_static(model) -> None:
-    """Skip a test of a static draft cache on a model that cannot run one: its attention layers do not pass their
-    kwargs to `cache.update` (transformers before 5.24) or add a position bias (Inkling); the one-liner drafts on
-    the dynamic cache there."""
+    """Skip a test of a static draft cache on a model that cannot run one: its attention layers neither pass their
+    kwargs to `cache.update` nor hand the keys it returns to the attention function as they are (DeepSeek-V3
+    before transformers 5.24), or add a position bias (Inkling); the one-liner drafts on the dynamic cache there."""
     from hf_budgetdraft.generation.plan import static_cache_problem
 
     problem = static_cache_problem(model)

@@ -8,11 +8,13 @@ A **step** of `q <= slack` tokens after the prefill (a one-token decode step, an
 verified tokens) writes each new key into its slot and returns the whole `(B, H_kv, S + W + slack, D)` buffers — no
 copy of the window — so a compiled step (`torch.compile(fullgraph=True)`, CUDA graphs) never recompiles as the
 context grows. The step hands its `(q, slots)` visibility mask to the attention function through the attention
-kwargs (`STATIC_LAYER_KWARG`; a layer reusing these keys, past Gemma 3n / Gemma 4's KV-sharing point, finds the
-layer through its key buffer, `KEYS_OWNER`); only `attn_implementation="budgetdraft_varlen"` reads it, so a static
-cache refuses any other implementation (stock `sdpa`/`eager` would read stale slots), and model families whose
-attention does not pass its kwargs to `cache.update` (GPT-NeoX) or that add a position bias over the keys (Inkling:
-built on contiguous key positions, which the slots are not; the step refuses it) cannot run one. **Longer forwards**
+kwargs (`STATIC_LAYER_KWARG`); where the attention passes no kwargs to `cache.update` (GPT-NeoX, every family before
+transformers 5.24), or reuses these keys past Gemma 3n / Gemma 4's KV-sharing point, the attention function finds
+the layer through its key buffer (`KEYS_OWNER`). Only `attn_implementation="budgetdraft_varlen"` reads it, so a static
+cache refuses any other implementation (stock `sdpa`/`eager` would read stale slots); families whose attention
+transforms the keys between the cache and the attention function without passing its kwargs (DeepSeek-V3's latents
+before 5.24) or that add a position bias over the keys (Inkling: built on contiguous key positions, which the slots
+are not; the step refuses it) cannot run one. **Longer forwards**
 (the prefill, blocks of more than `slack` tokens) go through `DraftLayer`'s path and return `[visible past, new]`.
 
 **No device reads on the host side.** The host keeps its own copy of the length and the ring's bookkeeping, so a
@@ -100,12 +102,6 @@ class StaticDraftLayer(DraftLayer):
         return tokens <= self.slack and self.prefix_length is not None
 
     def _step(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None):
-        if attention_kwargs is None:
-            raise ValueError(
-                "a static draft cache hands its slot mask to the attention function through the kwargs the attention "
-                "module passes to cache.update(..., kwargs=kwargs); this model family calls update without them. Use "
-                "static=False for this drafter"
-            )
         if self._awaiting_attention:
             raise ValueError(
                 "the previous step's slot mask was never read by the attention function, so that step attended to "
@@ -126,7 +122,8 @@ class StaticDraftLayer(DraftLayer):
         self._advance_known_length(tokens)
         self._step_tokens = tokens
         self._awaiting_attention = True
-        attention_kwargs[STATIC_LAYER_KWARG] = self
+        if attention_kwargs is not None:  # (else the attention function finds this layer through `self.keys`)
+            attention_kwargs[STATIC_LAYER_KWARG] = self
         return self.keys, self.values
 
     def before_attention(self, query: torch.Tensor, scaling: float) -> None:

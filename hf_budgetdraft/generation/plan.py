@@ -3,9 +3,9 @@
 `resolve_plan` decides each `"auto"` (each choice in `plan_choices.py`); choices that depend on the device come from
 `device_rules.py`, and `DraftPlan.reasons` says why each came out as it did. What the defaults turn on, and when:
 
-- **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` (the slot mask
-  travels that way) and add no position bias over the keys (Inkling's relative bias: built on contiguous key
-  positions); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+- **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` or hand the keys
+  it returns to the attention function as they are (the slot mask travels one way or the other) and add no position
+  bias over the keys (Inkling's relative bias: built on contiguous key positions); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
 - **compiled one-token draft step** (`compiled_step.py`, or the drafter's own `generation_config.compile_config`,
   which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation;
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
@@ -23,10 +23,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -52,22 +54,57 @@ from .spec import AUTO, DraftSpec
 SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
 
 
+def _keys_reach_attention_unchanged(source: str) -> bool:
+    """Whether the attention `forward` of `source` hands the keys `cache.update` returns to transformers' attention
+    function as they are: one update, one `attention_interface(...)` call taking them as its keys, the name not bound
+    again between the two."""
+    nodes = list(ast.walk(ast.parse(textwrap.dedent(source))))
+    calls = [
+        n for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "attention_interface"
+    ]
+    updates = [
+        n
+        for n in nodes
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Call)
+        and getattr(n.value.func, "attr", None) == "update"
+        and isinstance(n.targets[0], ast.Tuple)
+    ]
+    if len(calls) != 1 or len(updates) != 1 or len(calls[0].args) < 3:
+        return False
+    (call,), (update,) = calls, updates
+    key = getattr(update.targets[0].elts[0], "id", None)
+    rebound = any(
+        isinstance(n, ast.Name) and n.id == key and isinstance(n.ctx, ast.Store)
+        for n in nodes
+        if update.lineno < getattr(n, "lineno", 0) < call.lineno
+    )
+    return key is not None and getattr(call.args[2], "id", None) == key and not rebound
+
+
+def static_source_problem(name: str, source: str) -> str | None:
+    """Why an attention layer `name` whose `forward` is `source` cannot read a static draft cache (`None`: it can).
+    The step's slot mask reaches the attention function in the kwargs the layer passes to `cache.update`, or else
+    with the key buffer the step returns, which must then reach it as it is; and the layer adds no position bias
+    built on contiguous key positions (Inkling's: `arange(kv_length) + kv_offset`), which a step's slots are not."""
+    passes_kwargs = re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is not None
+    if not (passes_kwargs or _keys_reach_attention_unchanged(source)):
+        return (
+            f"{name} neither passes its kwargs to cache.update nor hands the keys it returns to the attention "
+            "function as they are (the slot mask travels one way or the other)"
+        )
+    if re.search(r"\bposition_bias=", source):
+        return f"{name} adds a position bias built on contiguous key positions, which a static cache's slots are not"
+    return None
+
+
 @functools.cache
 def _static_layer_problem(attention_class: type) -> str | None:
-    """Why an attention layer of `attention_class` cannot read a static draft cache (`None`: it can)."""
+    """`static_source_problem` of `attention_class`'s `forward`."""
     try:
-        source = inspect.getsource(attention_class.forward)
-    except (OSError, TypeError):
+        return static_source_problem(attention_class.__name__, inspect.getsource(attention_class.forward))
+    except (OSError, TypeError, SyntaxError):
         return f"{attention_class.__name__}'s source cannot be read to check how it calls the cache"
-    if re.search(r"\.update\([^)]*\bkwargs=kwargs", source) is None:
-        return f"{attention_class.__name__} does not pass its kwargs to cache.update (the slot mask travels there)"
-    if re.search(r"\bposition_bias=", source):
-        # Inkling's relative bias: built over `arange(kv_length) + kv_offset`, which a step's ring slots are not
-        return (
-            f"{attention_class.__name__} adds a position bias built on contiguous key positions, which a static "
-            f"cache's slots are not"
-        )
-    return None
 
 
 def static_cache_problem(model) -> str | None:

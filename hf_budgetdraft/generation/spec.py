@@ -87,8 +87,9 @@ class DraftSpec:
             `budgeted`, the cache classes' own defaults).
         slack (`int`, defaults to 32): the longest draft round the cache can roll back.
         static (`bool` or `"auto"`): fixed slot buffers read by `budgetdraft_varlen`; `"auto"` = where the
-            drafter's attention layers hand their kwargs to the cache and add no position bias over the keys (most
-            families; not GPT-NeoX, Falcon, Inkling).
+            slot mask reaches the drafter's attention function (in the kwargs its layers pass to the cache, or with
+            the keys they hand it as the cache returned them) and no position bias is added over the keys (most
+            families; not Inkling, nor DeepSeek-V3 before transformers 5.24).
         lean_step (`bool` or `"auto"`): run the static cache's draft steps (blocks of up to `slack` tokens) straight
             on the drafter's weights, without transformers' per-module Python (`cpu/lean_step.py`); `"auto"` =
             for a static cache and a drafter of Llama's layout (Llama, Qwen2, Qwen3, ...), checked against the

@@ -321,14 +321,19 @@ def test_static_step_refuses_an_attention_that_ignored_its_slot_mask():
             drafter(ids[:, 11:12], cache=cache)  # ... and the next one says so
 
 
-def test_family_without_attention_kwargs_is_refused():
+def test_a_family_calling_update_without_its_kwargs_reads_its_slots():
+    """GPT-NeoX's attention passes no kwargs to `cache.update`; the attention function finds the step's layer through
+    the key buffer it is handed, so its steps (the ring wrapped) compute what the dynamic storage computes."""
     config = tiny_config("gpt_neox")
     model = AutoModelForCausalLM.from_config(config, attn_implementation="budgetdraft_varlen").eval()
-    cache = SinkWindowCache(model.config, num_sink_tokens=2, window_length=8, static=True)
-    with torch.no_grad():
-        model(random_prompt(40), cache=cache)
-        with pytest.raises(ValueError, match="Use static=False"):
-            model(random_prompt(1), cache=cache)
+    ids = random_prompt(60)
+    logits = []
+    for static in (False, True):
+        cache = SinkWindowCache(model.config, num_sink_tokens=2, window_length=8, static=static)
+        with torch.no_grad():
+            model(ids[:, :40], cache=cache)
+            logits.append(torch.cat([model(ids[:, i : i + 1], cache=cache).logits for i in range(40, 60)], 1))
+    torch.testing.assert_close(logits[1], logits[0])
 
 
 def test_query_scored_static_budget_needs_capture():

@@ -166,13 +166,8 @@ def test_the_compiled_round_is_the_targets_own(family, fresh_dynamo):
         verify["failure"] is None and verify["compiled_calls"] == stats.rounds and verify["eager_calls"] == 0
     )
     assert len(graphs) == verify["new_shapes"] == 3 and verify["recompiles"] == 0  # buckets 1, 2, 4
-    if (
-        stats.plan.spec.static
-    ):  # (GPT-NeoX's attention passes no kwargs to the cache: a dynamic one, eager steps)
-        assert len(draft_graphs) == draft["graphs_compiled"] == 1
-        assert draft["recompiles"] == draft["eager_calls"] == 0
-    else:
-        assert not draft_graphs and not draft["compiled"]
+    assert stats.plan.spec.static and len(draft_graphs) == draft["graphs_compiled"] == 1
+    assert draft["recompiles"] == draft["eager_calls"] == 0
 
 
 @needs_traceable_transformers

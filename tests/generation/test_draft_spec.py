@@ -8,6 +8,7 @@ from tiny_models import FAMILIES, model_pair, random_prompt, supports
 
 from hf_budgetdraft import DraftSpec, record_speculation
 from hf_budgetdraft.generation import compiled_step
+from hf_budgetdraft.generation.plan import static_source_problem
 
 NEW_TOKENS = 24
 LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3", "granite"}  # what the lean draft step can run
@@ -109,14 +110,64 @@ def test_generate_num_assistant_tokens_changes_the_rounds():
         assert max(stats.proposed_per_round) == gamma and stats.draft_length_policy == "fixed"
 
 
-def test_families_without_kwargs_to_the_cache_stay_dynamic():
+def test_where_the_slot_mask_can_travel_the_cache_is_static():
+    """GPT-NeoX passes no kwargs to `cache.update` but hands its keys to the attention function as they are: the
+    slot mask travels with them."""
     target, drafter = model_pair("gpt_neox", "sdpa", num_assistant_tokens=None)
-    assert plan_for(target, drafter).spec.static is False
-    with pytest.raises(ValueError, match="static=True cannot run on .*does not pass its kwargs"):
-        plan_for(target, drafter, cache_config={"static": True})
+    assert plan_for(target, drafter).spec.static is True
     target, drafter = model_pair("llama", "eager", num_assistant_tokens=None)
     assert plan_for(target, drafter).spec.static is False  # eager drafters keep their attention
     assert plan_for(target, drafter).target_attention is None  # and so do eager targets
+
+
+_PASSES_ITS_KWARGS = """
+def forward(self, hidden_states, cache=None, **kwargs):
+    key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+    key_states = key_states.repeat(1, 2, 1, 1)  # the slot mask travels in the kwargs: fine
+    return attention_interface(self, query_states, key_states, value_states, mask, **kwargs)
+"""
+_KEYS_AS_RETURNED = """
+def forward(self, hidden_states, layer_past=None, **kwargs):
+    if layer_past is not None:
+        key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    return attention_interface(self, query_states, key_states, value_states, mask, scaling=self.scaling)
+"""
+_KEYS_EXPANDED = """
+def forward(self, hidden_states, cache=None, **kwargs):
+    kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)
+    key_states, value_states = self.expand_kv(kv_nope, k_rot)
+    return attention_interface(self, query_states, key_states, value_states, mask)
+"""
+_KEYS_REBOUND = _KEYS_AS_RETURNED.replace(
+    "    attention_interface =", "    key_states = key_states[:, :, :9]\n    attention_interface ="
+)
+_OWN_ATTENTION = """
+def forward(self, hidden_states, layer_past=None):
+    key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
+    return torch.matmul(query_states, key_states.transpose(-1, -2)).softmax(-1) @ value_states
+"""
+
+
+@pytest.mark.parametrize(
+    "source,static",
+    [
+        (_PASSES_ITS_KWARGS, True),
+        (_KEYS_AS_RETURNED, True),
+        (_KEYS_EXPANDED, False),
+        (_KEYS_REBOUND, False),
+        (_OWN_ATTENTION, False),
+    ],
+    ids=["passes_its_kwargs", "keys_as_returned", "keys_expanded", "keys_rebound", "own_attention"],
+)
+def test_the_slot_mask_must_reach_the_attention_function(source, static):
+    """A static step's slot mask reaches `budgetdraft_varlen` in the kwargs a layer passes to `cache.update`, or else
+    with the key buffer the step returned, which must then be what the attention function receives (DeepSeek-V3
+    before transformers 5.24 caches latents and expands them into new keys: the buffer, and the mask, never arrive)."""
+    problem = static_source_problem("TinyAttention", source)
+    assert (problem is None) is static
+    if not static:
+        assert "neither passes its kwargs to cache.update nor hands the keys" in problem
 
 
 @pytest.mark.parametrize("name", ["budgeted", "sink_window"])
@@ -197,7 +248,7 @@ def test_one_liner_with_every_default_is_lossless(family, name, cache_config):
         )
     assert torch.equal(out, expected), f"first diff at {(out != expected).nonzero()[:1].tolist()}"
     assert stats.draft_length_policy == "adaptive"
-    assert stats.plan.spec.static is (attention == "sdpa" and family != "gpt_neox")
+    assert stats.plan.spec.static is (attention == "sdpa")
     assert stats.plan.spec.lean_step is (stats.plan.spec.static and family in LLAMA_LAYOUT)
     assert sum(stats.proposed_per_round) > 0
     assert (target.config._attn_implementation, drafter.config._attn_implementation) == (attention, attention)

@@ -9,7 +9,7 @@ import torch
 from compile_counter import graph_counter
 from resolved_plans import cuda_rules_on_cpu, plan_for
 from tiny_families import family_pair, kv_sharing_model
-from tiny_models import model_pair, random_prompt
+from tiny_models import model_pair, random_prompt, skip_unless_static
 from torch_support import needs_traceable_transformers
 from transformers import CompileConfig
 
@@ -22,7 +22,6 @@ from hf_budgetdraft.generation.draft_steps import (
     ForwardStep,
     Prefill,
 )
-from hf_budgetdraft.generation.plan import supports_static_cache
 from hf_budgetdraft.generation.spec import DraftSpec
 
 
@@ -200,8 +199,7 @@ def test_a_drafter_whose_layers_reuse_keys_compiles_one_graph_and_drafts_as_on_t
     through them: CUDA's whole-graph setting traces that in one graph, and each round drafts what the dynamic
     storage drafts (a window shorter than the prompt: the rings wrap)."""
     target = kv_sharing_model()
-    if not supports_static_cache(target):
-        pytest.skip("Gemma 4's attention passes no kwargs to the cache in this transformers release")
+    skip_unless_static(target)
     assert _plans_on_cpu_and_cuda_of(target)[1].spec.compile is True  # CUDA compiles it from the first call
     config, graphs = _fullgraph_counter()
     rounds = []

@@ -7,7 +7,9 @@ those keys:
 
 - steps of a *static* draft cache (`cache_config={"static": True}`; one token, or up to `slack` tokens such as an MTP
   head absorbing a round's verified tokens): the cache layer returns its fixed `[static slots | ring slots]` buffers
-  and hands its `(q, slots)` visibility mask to this function through the attention kwargs (`STATIC_LAYER_KWARG`);
+  and hands its `(q, slots)` visibility mask to this function through the attention kwargs (`STATIC_LAYER_KWARG`;
+  where the attention passes no kwargs to the cache, this function finds the layer through the key buffer it is
+  handed, `KEYS_OWNER`, as a layer reusing those keys does);
   the step runs as one masked SDPA with the query heads folded into rows (no KV repeat, no copy of the window, no
   data-dependent shape: `torch.compile(fullgraph=True)` / CUDA-graph friendly);
 - everything else with no mask (a plain lower-right causal block over the keys the cache returned) goes to the
@@ -92,13 +94,6 @@ def _static_step(module, query, key, value, static_layer, scaling, **kwargs) -> 
     return _slot_attention(module, query, key, value, static_layer.consume_key_mask(), scaling, **kwargs)
 
 
-def _keys_owner(module, key: torch.Tensor):
-    """The static draft cache layer whose key buffer `key` is, when `module` attends over another layer's keys (Gemma
-    3n / Gemma 4 past their KV-sharing point: that layer's step returned them, and its slot mask went to its own
-    attention only); else `None`."""
-    return getattr(key, KEYS_OWNER, None) if getattr(module, "is_kv_shared_layer", False) else None
-
-
 def _slot_attention(module, query, key, value, key_valid, scaling, **kwargs) -> torch.Tensor:
     """Attention over a static draft cache layer's slot buffers, each query reading the slots `key_valid`
     `(1 or B, 1 or H_kv, q, K)` marks."""
@@ -173,10 +168,19 @@ def budgetdraft_varlen_attention_forward(
         `(attn_output (B, q, H_q, D_v), None)`.
     """
     static_layer = kwargs.pop(STATIC_LAYER_KWARG, None)
+    owner = getattr(
+        key, KEYS_OWNER, None
+    )  # the static draft cache layer whose step returned these keys, if any
+    reusing = getattr(module, "is_kv_shared_layer", False)
+    if static_layer is None and owner is not None and not reusing:
+        static_layer = (
+            owner  # an attention that passes no kwargs to `cache.update` (GPT-NeoX; transformers < 5.24)
+        )
     if static_layer is not None:
         return _static_step(module, query, key, value, static_layer, scaling, **kwargs), None
-    if (owner := _keys_owner(module, key)) is not None:
-        # the step's last queries: Gemma 4 runs its reusing layers on the positions whose logits are kept only
+    if owner is not None:
+        # a layer reusing an earlier layer's keys (Gemma 3n / Gemma 4): that step's last queries, since Gemma 4 runs
+        # its reusing layers on the positions whose logits are kept only
         key_valid = owner.step_key_mask()[:, :, -query.shape[2] :]
         return _slot_attention(module, query, key, value, key_valid, scaling, **kwargs), None
     pinned = current_backend()
