@@ -134,12 +134,8 @@ def _device_round_problem(target, batched: bool) -> str | None:
     return _target_layers_problem(target)
 
 
-_RING_ATTENTION = (
-    "sdpa",
-    "eager",
-    "budgetdraft_sdpa",
-    "budgetdraft_varlen",
-)  # masks from the cache's mask sizes
+# attention that builds its masks from the cache's mask sizes, as the device round's rings need
+_RING_ATTENTION = ("sdpa", "eager", "budgetdraft_sdpa", "budgetdraft_varlen")
 
 
 def _target_layers_problem(target) -> str | None:

@@ -7,7 +7,8 @@ Windowed-MTP, arXiv 2607.21535. transformers' `generate(use_mtp=True)` drafts wi
 `cache_config={"static": True}` keeps the ring in slot order (the MTP model's forwards run
 `attn_implementation="budgetdraft_varlen"` for the call, the target keeps its own): each draft step — and the step
 that absorbs a round's verified tokens — reads the sink + ring buffer in place under a slot mask instead of gathering
-`[sink, window, new]` into a fresh tensor, a copy of the whole window per step (measured by `benchmarks/mtp_cost.py`, `benchmarks/results/mtp_cost_*.md`).
+`[sink, window, new]` into a fresh tensor, a copy of the whole window per step (measured by `benchmarks/mtp_cost.py`,
+`benchmarks/results/mtp_cost_*.md`).
 
 `AdaptiveMtpCandidateGenerator` lets the draft-length policy of the assistant path drive a one-layer MTP head:
 each round it drafts (γ = 1) or lets the target take a plain AR step (γ = 0); the head catches up on the skipped

@@ -129,8 +129,13 @@ def test_a_drafter_that_computes_something_else_drafts_with_its_own_forward(capl
 
 
 def test_explicit_lean_step_is_refused_where_it_cannot_run():
-    target, drafter = model_pair("gpt_neox", "sdpa", num_assistant_tokens=None)
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
     with pytest.raises(ValueError, match="lean_step=True, but the draft cache is not static"):
+        plan_for(target, drafter, cache_config={"lean_step": True, "static": False})
+    target, drafter = model_pair("gpt_neox", "sdpa", num_assistant_tokens=None)
+    with pytest.raises(
+        ValueError, match="lean_step=True, but GPTNeoXForCausalLM has no plain embedding table"
+    ):
         plan_for(target, drafter, cache_config={"lean_step": True})
     target, drafter = model_pair("phi3", "sdpa", num_assistant_tokens=None)
     assert plan_for(target, drafter).spec.lean_step is False
