@@ -168,14 +168,12 @@ def budgetdraft_varlen_attention_forward(
         `(attn_output (B, q, H_q, D_v), None)`.
     """
     static_layer = kwargs.pop(STATIC_LAYER_KWARG, None)
-    owner = getattr(
-        key, KEYS_OWNER, None
-    )  # the static draft cache layer whose step returned these keys, if any
+    # the static draft cache layer whose step returned these keys, if any
+    owner = getattr(key, KEYS_OWNER, None)
     reusing = getattr(module, "is_kv_shared_layer", False)
     if static_layer is None and owner is not None and not reusing:
-        static_layer = (
-            owner  # an attention that passes no kwargs to `cache.update` (GPT-NeoX; transformers < 5.24)
-        )
+        # an attention that passes no kwargs to `cache.update` (GPT-NeoX; transformers < 5.24)
+        static_layer = owner
     if static_layer is not None:
         return _static_step(module, query, key, value, static_layer, scaling, **kwargs), None
     if owner is not None:
