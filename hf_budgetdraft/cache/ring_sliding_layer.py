@@ -31,7 +31,7 @@ class RingSlidingLayer(StaticLayer):
 
     is_sliding = True
 
-    def __init__(self, max_cache_len: int, sliding_window: int, slack: int, **kwargs):
+    def __init__(self, max_cache_len: int, sliding_window: int, slack: int):
         for name, value, least in (("sliding_window", sliding_window, 2), ("slack", slack, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")

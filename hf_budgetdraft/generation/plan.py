@@ -5,7 +5,8 @@
 
 - **static draft cache** where the drafter's attention layers pass their kwargs to `cache.update` or hand the keys
   it returns to the attention function as they are (the slot mask travels one way or the other) and add no position
-  bias over the keys (Inkling's relative bias: built on contiguous key positions); the drafter then runs `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
+  bias over the keys (Inkling's relative bias: built on contiguous key positions); the drafter then runs
+  `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
 - **compiled one-token draft step** (`compiled_step.py`, or the drafter's own `generation_config.compile_config`,
   which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation;
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA

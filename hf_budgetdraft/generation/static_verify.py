@@ -69,9 +69,9 @@ def _config_key(config: CompileConfig) -> str:
     return repr(sorted(config.to_dict().items(), key=lambda item: item[0]))
 
 
-def _cache_key(size: int, target) -> tuple:
+def _cache_key(size: int, slack: int, target) -> tuple:
     # a cache first filled under inference mode holds inference tensors, which only inference mode may update
-    return size, target.dtype, str(target.device), torch.is_inference_mode_enabled()
+    return size, slack, target.dtype, str(target.device), torch.is_inference_mode_enabled()
 
 
 def ring_slack(longest: int) -> int:
@@ -101,7 +101,7 @@ def take_cache(target, tokens: int, slack: int) -> StaticCache:
     size = -(-tokens // CACHE_SIZE_STEP) * CACHE_SIZE_STEP
     state = model_state(target)
     with state.lock:
-        free = state.free_caches.setdefault((*_cache_key(size, target), slack), [])
+        free = state.free_caches.setdefault(_cache_key(size, slack, target), [])
         cache = free.pop() if free else None
     if cache is None:
         return static_target_cache(target.config, size, slack)
@@ -119,8 +119,9 @@ def give_back(target, cache: StaticCache, slack: int) -> None:
     """Return a call's cache (taken with `slack`) to `target`'s free ones, for the next call of its size."""
     state = model_state(target)
     with state.lock:
-        key = (*_cache_key(cache.layers[0].max_cache_len, target), slack)
-        state.free_caches.setdefault(key, []).append(cache)
+        state.free_caches.setdefault(_cache_key(cache.layers[0].max_cache_len, slack, target), []).append(
+            cache
+        )
 
 
 def _call(model, **kwargs):

@@ -61,15 +61,14 @@ def windowed_mtp_generator(
     """transformers' MTP candidate generator `generator` drafting on the windowed cache `spec` asks for, under the
     draft-length policy it names. With `static`, the MTP model's own forwards run `budgetdraft_varlen` (which reads
     the ring in place) for the call: the target keeps its attention, and no config is written."""
-    scope = (
-        _static_mtp_scope(generator.mtp_model) if spec.cache_options.get("static") else contextlib.nullcontext
-    )
+    static = bool(spec.cache_options.get("static"))
+    scope = _static_mtp_scope(generator.mtp_model) if static else contextlib.nullcontext
     with scope():
         generator.mtp_cache = windowed_mtp_cache(main_model, spec, generator.mtp_model.config)
     policy = for_mtp(spec.draft_length, generator.num_mtp_layers)
     if policy is not None:
         generator = AdaptiveMtpCandidateGenerator(generator, policy)
-    if scope is not contextlib.nullcontext:  # every MTP forward of the call runs inside `get_candidates`
+    if static:  # every MTP forward of the call runs inside `get_candidates`
         drafting = generator.get_candidates
 
         def get_candidates(*args, **kwargs):
