@@ -134,28 +134,35 @@ def self_drafting(report, name: str, device: torch.device, smoke: bool, sizes: d
     return result
 
 
+def _twice_on_the_device_round(report, name: str, target, drafter, seed: int, sizes: dict, smoke: bool):
+    """`target` with `drafter` (window 32) on the device round twice over one random prompt: each call judged against
+    the target's own greedy output and checked to have run the device round, the draft step's compilation checked
+    across the two. Returns `(calls, rows)`: the `(output, stats)` pairs and each call's row."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, SHAPE["vocab_size"], (1, sizes["context"]), generator=generator).to(target.device)
+    reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
+    config = {"window_length": 32, **({"device_round": True, "compile_verify": True} if smoke else {})}
+    calls = [_speculate(target, drafter, ids, sizes, smoke, config) for _ in range(2)]
+    rows = {}
+    for k, (out, stats) in enumerate(calls):
+        row = gpu_round_real.judge(
+            report, target, ids, f"{name}.call{k}", out, reference, gpu_round_real.FP32_MARGIN
+        )
+        accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
+        row.update(accepted=accepted, proposed=proposed, plan=stats.plan.reasons, runtime=stats.runtime)
+        report.check(f"{name}.call{k}.device_round", (stats.runtime or {}).get("loop") == "device_round", row)
+        rows[f"call{k}"] = row
+    _draft_step_checks(report, name, *(stats.runtime["draft_step"] for _, stats in calls))
+    return calls, rows
+
+
 def device_round(report, device: torch.device, smoke: bool, sizes: dict) -> dict:
     """A full-attention target on the device round, its sliding drafter compiled (random weights: the output is
     what is checked, acceptance is near zero)."""
     target = build("llama", {}, None, device, seed=1)
     drafter = build(*FAMILIES["gemma3_sliding"], sizes["sliding_window"], device)
-    ids = torch.randint(
-        3, SHAPE["vocab_size"], (1, sizes["context"]), generator=torch.Generator().manual_seed(2)
-    )
-    ids = ids.to(device)
-    reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
-    result = {}
-    config = {"window_length": 32, **({"device_round": True, "compile_verify": True} if smoke else {})}
-    calls = [_speculate(target, drafter, ids, sizes, smoke, config) for _ in range(2)]
-    for k, (out, stats) in enumerate(calls):
-        name = f"families.device_round_sliding_drafter.call{k}"
-        row = gpu_round_real.judge(report, target, ids, name, out, reference, gpu_round_real.FP32_MARGIN)
-        row.update(plan=stats.plan.reasons, runtime=stats.runtime)
-        report.check(f"{name}.device_round", (stats.runtime or {}).get("loop") == "device_round", row)
-        result[f"call{k}"] = row
-    first, second = (stats.runtime["draft_step"] for _, stats in calls)
-    _draft_step_checks(report, "families.device_round_sliding_drafter", first, second)
-    return result
+    name = "families.device_round_sliding_drafter"
+    return _twice_on_the_device_round(report, name, target, drafter, 2, sizes, smoke)[1]
 
 
 def sliding_target(report, device: torch.device, smoke: bool, sizes: dict) -> dict:
@@ -163,25 +170,14 @@ def sliding_target(report, device: torch.device, smoke: bool, sizes: dict) -> di
     verification compiled; a copy of it drafts over a window narrower than the call, so drafts are rejected and the
     rings roll back. Twice: the second call compiles nothing."""
     target = build(*FAMILIES["gemma3_sliding"], sizes["sliding_window"], device)
-    drafter = copy.deepcopy(target)
-    ids = torch.randint(
-        3, SHAPE["vocab_size"], (1, sizes["context"]), generator=torch.Generator().manual_seed(3)
-    )
-    ids = ids.to(device)
-    reference = target.generate(ids, do_sample=False, max_new_tokens=sizes["new_tokens"])
-    config = {"window_length": 32, **({"device_round": True, "compile_verify": True} if smoke else {})}
-    calls = [_speculate(target, drafter, ids, sizes, smoke, config) for _ in range(2)]
-    name, result = "families.device_round_sliding_target", {}
-    for k, (out, stats) in enumerate(calls):
-        row = gpu_round_real.judge(
-            report, target, ids, f"{name}.call{k}", out, reference, gpu_round_real.FP32_MARGIN
+    name = "families.device_round_sliding_target"
+    calls, rows = _twice_on_the_device_round(report, name, target, copy.deepcopy(target), 3, sizes, smoke)
+    for k, (_, stats) in enumerate(calls):
+        row = rows[f"call{k}"]
+        report.check(
+            f"{name}.call{k}.rings", (stats.runtime.get("verify") or {}).get("ring_layers", 0) > 0, row
         )
-        accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
-        row.update(accepted=accepted, proposed=proposed, plan=stats.plan.reasons, runtime=stats.runtime)
-        rings = ((stats.runtime or {}).get("verify") or {}).get("ring_layers", 0)
-        report.check(f"{name}.call{k}.rings", stats.runtime.get("loop") == "device_round" and rings > 0, row)
-        report.check(f"{name}.call{k}.rejected_drafts_rolled_back", 0 <= accepted < proposed, row)
-        result[f"call{k}"] = row
+        report.check(f"{name}.call{k}.rejected_drafts_rolled_back", row["accepted"] < row["proposed"], row)
     first, second = (stats.runtime["verify"] for _, stats in calls)
     report.check(
         f"{name}.verify_compiled",
@@ -194,8 +190,7 @@ def sliding_target(report, device: torch.device, smoke: bool, sizes: dict) -> di
         and second["compiled_calls"] > 0,
         second,
     )
-    _draft_step_checks(report, name, *(stats.runtime["draft_step"] for _, stats in calls))
-    return result
+    return rows
 
 
 def families(report, device: torch.device, smoke: bool) -> dict:
