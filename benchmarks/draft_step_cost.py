@@ -5,7 +5,7 @@ that grows with context; a sparse draft cache makes it constant. For each contex
 once, then timed interleaved (A B C D A B C D ...) over `--repeats` blocks of `--steps` one-token draft steps, each
 block rolled back with `crop(-steps)` so the context stays fixed. The fourth, `budgeted_compiled`, is the same
 budgeted cache with `static=True` and the step compiled the way `generate()` compiles it (the drafter on
-`budgetdraft_varlen`, `get_compiled_call`; compiled once, before the timing); the fifth, `budgeted_dynamic`, the same
+`budgetdraft_varlen`, `compiled_call`; compiled once, before the timing); the fifth, `budgeted_dynamic`, the same
 budget with `policy="dynamic"` (each step re-selects it with its query, stepped inside `query_capture` as
 `generate()` steps it; its cache holds the prompt's keys and values too); the sixth, `budgeted_lean`, the static
 budgeted cache stepped by the lean draft step CPU `generate()` runs uncompiled (`hf_budgetdraft.cpu.lean_step`).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -39,6 +40,7 @@ from hf_budgetdraft import (
 )
 from hf_budgetdraft.cpu.lean_step import LeanDraftStep
 from hf_budgetdraft.demo.random_models import random_llama_config
+from hf_budgetdraft.generation.compiled_call import compiled_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import run_record, run_text  # noqa: E402
@@ -91,7 +93,7 @@ def time_block(model, cache, context: int, steps: int, token: torch.Tensor) -> f
     cache back to `context`."""
     start = time.perf_counter()
     for i in range(steps):
-        model(token, cache=cache, position_ids=torch.tensor([[context + i]]), logits_to_keep=1)
+        model(input_ids=token, cache=cache, position_ids=torch.tensor([[context + i]]), logits_to_keep=1)
     elapsed = time.perf_counter() - start
     cache.crop(-steps)
     return elapsed / steps
@@ -238,7 +240,9 @@ def main() -> None:
         "full": model,
         "sink_window": model,
         "budgeted": model,
-        "budgeted_compiled": static_model.get_compiled_call(draft_step_compile_config(static_model.device)),
+        "budgeted_compiled": functools.partial(
+            compiled_call(static_model, draft_step_compile_config(static_model.device))[0], static_model
+        ),
         "budgeted_dynamic": Captured(model),
         "budgeted_lean": Lean(static_model),
     }

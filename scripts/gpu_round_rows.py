@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_budgetdraft
 from hf_budgetdraft import record_speculation
 from hf_budgetdraft.eval.replay import ReplayedAcceptance, divergence
+from hf_budgetdraft.generation.compiled_step import cuda_graph_skips_so_far
 from hf_budgetdraft.generation.device_loop import DeviceRound
 from hf_budgetdraft.generation.draft_length.clock import synchronize
 from hf_budgetdraft.generation.draft_steps import DraftSteps
@@ -187,9 +188,10 @@ def compare(report, target, drafter, prompt, sizes: dict, traces: dict, full: bo
         # replayed rows warm with the rounds they will time (a stock loop compiles each verification length)
         with warm_replay.installed() if replayed else contextlib.nullcontext():
             streamed = {**kwargs, "streamer": FirstTokens()}  # as the timed calls run
-            cold, _, _ = _timed(target, prompt, sizes["new_tokens"], streamed)
+            cold, _, cold_stats = _timed(target, prompt, sizes["new_tokens"], streamed)
             warm, _, _ = _timed(target, prompt, sizes["new_tokens"], streamed)
         compile_seconds[name] = round(cold - warm, 3)
+        judged.setdefault("cold_runtime", {})[name] = cold_stats.runtime
     rates = {}
     for repeat in range(sizes["repeats"]):
         for trace_name, trace in traces.items():
@@ -228,6 +230,9 @@ def _summarise(rates: dict, judged: dict, compile_seconds: dict, traces: dict) -
         "runs_tokens_per_s": rates,
         "ratio_to_b": ratios,
         "compile_and_capture_s": compile_seconds,
+        # what the compiling calls ran (the one-liner's graphs compile there), and the process's CUDA-graph skips
+        "cold_runtime": judged.get("cold_runtime", {}),
+        "cuda_graph_skips_in_process": cuda_graph_skips_so_far(),
         "tokens_a_round": judged.get("tokens_a_round", {}),
         "runtime": judged.get("runtime", {}),
         "divergences": judged.get("divergences", []),
@@ -371,6 +376,17 @@ def judge(report, result: dict, name: str, goal: float | None) -> None:
     )
     ratios = result["ratio_to_b"]
     if on_gpu:  # timings: checked on the GPU only (the CPU smoke's tiny models measure nothing)
+        cold = [r for r in result["cold_runtime"].values() if (r or {}).get("loop") == "device_round"]
+        report.check(
+            f"{name}.cuda_graphs",
+            bool(cold)
+            and all(
+                (r.get("verify") or {}).get("cuda_graph_skips", 0) == 0
+                and (r.get("draft_step") or {}).get("cuda_graph_skips", 0) == 0
+                for r in cold
+            ),
+            cold,
+        )
         report.check(f"{name}.one_sync_a_round", (record["synchronisations_per_round"] or 99) <= 1.05, record)
         report.check(f"{name}.host_ms", (record["host_ms_per_drafting_round"] or 99) <= 1.0, record)
         if "d0_oneliner_no_draft" in ratios:

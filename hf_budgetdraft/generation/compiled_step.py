@@ -1,6 +1,7 @@
 """The compiled one-token draft step: how it compiles (`draft_step_compile_config`), where the device rules
 rent before they buy, when its compilation pays (`compile_pays`), what a compiled step that cannot compile again
-raises (`compiling_again_failed`), and how many graphs the process has compiled (`dynamo_graphs_so_far`).
+raises (`compiling_again_failed`), and how many graphs the process has compiled (`dynamo_graphs_so_far`) and run
+without the CUDA graphs they asked for (`cuda_graph_skips_so_far`).
 
 On CPU a compilation costs seconds to tens of seconds and a step saves a fraction of a millisecond, so `"auto"`
 compiles once this process has spent `COMPILE_SECONDS_ESTIMATE / COMPILED_STEP_SAVING` seconds in eager static
@@ -16,6 +17,7 @@ import functools
 import torch
 from transformers import CompileConfig
 
+from .compiled_call import has_compiled_call
 from .model_state import model_state
 
 # a cold inductor compilation of a small drafter's step on CPU, rounded up from what benchmarks/results records
@@ -52,10 +54,7 @@ def record_eager_steps(drafter, seconds: float) -> None:
 def compile_pays(drafter, compile_config: CompileConfig, lean: bool = False) -> bool:
     """A step compiled earlier in this process is reused; otherwise compile once the uncompiled steps spent so far
     (`lean`: lean steps) would have paid for the compilation."""
-    if (
-        getattr(drafter, "_compiled_call", None) is not None
-        and drafter._last_compile_config == compile_config
-    ):
+    if has_compiled_call(drafter, compile_config):
         return True
     saving = COMPILED_STEP_SAVING["lean" if lean else "eager"]
     return model_state(drafter).rent * saving >= COMPILE_SECONDS_ESTIMATE
@@ -65,6 +64,12 @@ def dynamo_graphs_so_far() -> int:
     """Dynamo graphs compiled in this process so far (a process-wide count: a step or a verification reads it before
     and after its call)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def cuda_graph_skips_so_far() -> int:
+    """Compiled graphs inductor was asked to run as CUDA graphs and ran without (a mutated input, a CPU tensor, an
+    op CUDA graphs cannot hold), process-wide: each is then launched kernel by kernel, host-bound on a GPU."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
 
 
 @functools.cache

@@ -14,6 +14,7 @@ the draft cache as the drafter's own forward would, and returns the last positio
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from ..cache import BudgetedCache, SparseDraftCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix, drafter_media
-from .compiled_step import compiling_again_failed, dynamo_graphs_so_far
+from .compiled_call import compiled_call, module_guards_dropped
+from .compiled_step import compiling_again_failed, cuda_graph_skips_so_far, dynamo_graphs_so_far
 from .draft_length.clock import synchronize
 
 logger = logging.get_logger(__name__)
@@ -56,20 +58,22 @@ class ForwardStep:
 
 
 class CompiledStep:
-    """The one-token step compiled with `compile_config`. Its first call compiles (under a process-wide lock: one
-    thread compiles, the others reuse its graph); if compiling fails it warns once and runs `fallback` from then on,
-    unless the failed call already wrote to the cache. A static draft cache's step has fixed shapes, so a later step
-    that compiles again means its inputs change from step to step: that step's result is kept and the rest of the
-    call drafts on `fallback` (warned once), before the recompilations exhaust dynamo's limit for the process. Logits
-    are copied out of the CUDA graph's memory, which the next replay overwrites."""
+    """The one-token step compiled with `compile_config` (`compiled_call.py`: for the drafter as it is when the call
+    first steps, inside its drafting scope). Its first call compiles (under a process-wide lock: one thread compiles,
+    the others reuse its graph); if compiling fails it warns once and runs `fallback` from then on, unless the failed
+    call already wrote to the cache. A static draft cache's step has fixed shapes, so a later step that compiles
+    again means its inputs change from step to step: that step's result is kept and the rest of the call drafts on
+    `fallback` (warned once), before the recompilations exhaust dynamo's limit for the process. Logits are copied out
+    of the CUDA graph's memory, which the next replay overwrites."""
 
     def __init__(self, model, cache, compile_config, fallback: ForwardStep):
-        self.cache, self.fallback = cache, fallback
-        self.compiled = ForwardStep(model.get_compiled_call(compile_config), cache)
+        self.model, self.cache, self.compile_config, self.fallback = model, cache, compile_config, fallback
+        self.compiled: ForwardStep | None = None  # built by the first step
         self.checked, self.failure = False, None
         self.compiled_calls, self.eager_calls = 0, 0  # steps that ran compiled / eagerly after a failure
         # dynamo graphs compiled by this call's steps, and those of them after its first step
         self.graphs_compiled, self.recompiles = 0, 0
+        self.cuda_graph_skips = 0  # graphs of its first step run without the CUDA graphs they asked for
 
     @property
     def failed(self) -> bool:
@@ -102,9 +106,11 @@ class CompiledStep:
     def _first(self, feed, positions) -> torch.Tensor:
         """The call's first compiled step: compiles (or reuses this process's graph); on any failure that wrote
         nothing to the cache (the one host read of its lengths), the eager step from then on."""
-        lengths, graphs = self._static_lengths(), dynamo_graphs_so_far()
+        lengths, graphs, skips = self._static_lengths(), dynamo_graphs_so_far(), cuda_graph_skips_so_far()
         try:
             with _first_compiled_call:
+                compiled, _ = compiled_call(self.model, self.compile_config)
+                self.compiled = ForwardStep(functools.partial(compiled, self.model), self.cache)
                 logits = self.compiled(feed, positions).clone()
         except Exception as error:  # any compiler failure; the eager step is the same computation
             if self._static_lengths() != lengths:
@@ -113,6 +119,7 @@ class CompiledStep:
             self.eager_calls += 1
             return self.fallback(feed, positions)
         self.graphs_compiled += dynamo_graphs_so_far() - graphs
+        self.cuda_graph_skips += cuda_graph_skips_so_far() - skips
         self.compiled_calls += 1
         self.checked = True
         return logits
@@ -254,7 +261,8 @@ class DraftSteps:
     def record(self) -> dict:
         """What the one-token step did in this call: planned compiled or not, steps run compiled, steps run
         eagerly after a failed compilation or a recompilation, dynamo graphs compiled by its steps and those
-        after its first step (recompiles), and why it stopped running compiled."""
+        after its first step (recompiles), those run without the CUDA graphs they asked for, whether its module
+        guards were checked once per call, and why it stopped running compiled."""
         token = self.token
         if not isinstance(token, CompiledStep):
             return {
@@ -263,6 +271,8 @@ class DraftSteps:
                 "eager_calls": 0,
                 "graphs_compiled": 0,
                 "recompiles": 0,
+                "cuda_graph_skips": 0,
+                "module_guards_per_call": False,
                 "failure": None,
             }
         return {
@@ -271,6 +281,8 @@ class DraftSteps:
             "eager_calls": token.eager_calls,
             "graphs_compiled": token.graphs_compiled,
             "recompiles": token.recompiles,
+            "cuda_graph_skips": token.cuda_graph_skips,
+            "module_guards_per_call": module_guards_dropped(token.compile_config),
             "failure": token.failure,
         }
 

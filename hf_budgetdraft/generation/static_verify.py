@@ -27,7 +27,13 @@ from transformers.utils import logging
 from ..cache.ring_sliding_layer import RingSlidingLayer
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
-from .compiled_step import compiling_again_failed, draft_step_compile_config, dynamo_graphs_so_far
+from .compiled_call import call_model, compiled_call, module_guards_dropped
+from .compiled_step import (
+    compiling_again_failed,
+    cuda_graph_skips_so_far,
+    draft_step_compile_config,
+    dynamo_graphs_so_far,
+)
 from .model_inputs import position_offset
 from .model_state import model_state
 
@@ -63,10 +69,6 @@ def bucket_of(n: int, sizes: tuple[int, ...]) -> int:
         if n <= size:
             return size
     raise ValueError(f"a verification of {n} tokens exceeds the call's longest bucket ({sizes[-1]})")
-
-
-def _config_key(config: CompileConfig) -> str:
-    return repr(sorted(config.to_dict().items(), key=lambda item: item[0]))
 
 
 def _cache_key(size: int, slack: int, target) -> tuple:
@@ -124,24 +126,6 @@ def give_back(target, cache: StaticCache, slack: int) -> None:
         )
 
 
-def _call(model, **kwargs):
-    """`model(**kwargs)`: what the verification compiles (the model an argument, so the compiled function, kept in
-    the model's weakly keyed state, holds no reference to it)."""
-    return model(**kwargs)
-
-
-def compiled_call(target, config: CompileConfig):
-    """`(torch.compile(_call) with config, the shapes it has compiled)`, built once per target and config; call it
-    as `compiled(target, **kwargs)`."""
-    state = model_state(target)
-    key = _config_key(config)
-    with state.lock:
-        if key not in state.compiled:
-            state.compiled[key] = torch.compile(_call, **config.to_dict())
-            state.shapes[key] = set()
-        return state.compiled[key], state.shapes[key]
-
-
 _first_call_of_shape = threading.Lock()
 
 
@@ -156,7 +140,9 @@ class VerifyRecord:
     buckets: dict = field(default_factory=dict)  # bucket -> verifications
     new_shapes: int = 0  # (bucket, cache size and rings) shapes this call compiled first in this process
     graphs_compiled: int = 0  # dynamo graphs compiled during this call's compiled verifications
+    cuda_graph_skips: int = 0  # of those, graphs run without the CUDA graphs their compile config asked for
     ring_layers: int = 0  # sliding layers verifying on rollback rings (`RingSlidingLayer`)
+    module_guards_per_call: bool = False  # module guards checked once per call, not every verification
     failure: str | None = None
 
     @property
@@ -177,7 +163,11 @@ class StaticVerify:
         self.target, self.cache = target, cache
         self.sizes = buckets(longest, coarse=target.device.type == "cuda")
         rings = [layer.ring_size for layer in cache.layers if isinstance(layer, RingSlidingLayer)]
-        self.record = VerifyRecord(compiled=compile_config is not None, ring_layers=len(rings))
+        self.record = VerifyRecord(
+            compiled=compile_config is not None,
+            ring_layers=len(rings),
+            module_guards_per_call=compile_config is not None and module_guards_dropped(compile_config),
+        )
         # what a compiled forward's shapes depend on besides its bucket: the cache's size and its rings'
         self.cache_shape = (cache.layers[0].max_cache_len, *sorted(set(rings)))
         self.compiled_fn, self.shapes, self.padded_to = None, None, 0
@@ -187,7 +177,7 @@ class StaticVerify:
             self.compiled_fn, self.shapes = compiled_call(target, compile_config)
 
     def _forward(self, fn, ids: torch.Tensor, start: int, **kwargs):
-        """`fn(target, ...)` (`_call` or its compiled form) on `ids (1, n)` at positions `start ...`."""
+        """`fn(target, ...)` (`call_model` or its compiled form) on `ids (1, n)` at positions `start ...`."""
         start += self.position_offset
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         return fn(
@@ -210,9 +200,9 @@ class StaticVerify:
         chunk = chunk or PREFILL_CHUNK
         logits = None
         for start in range(cached, ids.shape[1], chunk):
-            logits = self._forward(_call, ids[:, start : start + chunk], start, **self._last_logits_only())[
-                :, -1
-            ]
+            logits = self._forward(
+                call_model, ids[:, start : start + chunk], start, **self._last_logits_only()
+            )[:, -1]
         return logits.float()
 
     def prefill_with(self, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
@@ -261,7 +251,7 @@ class StaticVerify:
         padded = torch.nn.functional.pad(tokens, (0, size - n)) if size > n else tokens
         if self.compiled_fn is None or self.record.failure is not None:
             self.record.eager_calls += 1
-            return self._forward(_call, padded, start)[:, :n].float()
+            return self._forward(call_model, padded, start)[:, :n].float()
         return self._compiled(padded, start, size)[:, :n].float().clone()
 
     def keep(self, kept: torch.Tensor) -> None:
@@ -301,9 +291,10 @@ class StaticVerify:
             return logits
 
     def _counted(self, padded: torch.Tensor, start: int) -> torch.Tensor:
-        before = dynamo_graphs_so_far()
+        graphs, skips = dynamo_graphs_so_far(), cuda_graph_skips_so_far()
         logits = self._forward(self.compiled_fn, padded, start)
-        self.record.graphs_compiled += dynamo_graphs_so_far() - before
+        self.record.graphs_compiled += dynamo_graphs_so_far() - graphs
+        self.record.cuda_graph_skips += cuda_graph_skips_so_far() - skips
         return logits
 
     def _fall_back(self, error: Exception, padded: torch.Tensor, start: int, counted: bool) -> torch.Tensor:
@@ -313,9 +304,9 @@ class StaticVerify:
         logger.warning_once(
             f"compiling the target's verification failed ({self.record.failure}); verifying eagerly instead "
             "(lossless). Pass cache_config={'compile_verify': False} or generate(disable_compile=True) to skip it. "
-            "Every compiled model shares torch._dynamo.config.recompile_limit (per code object): a process that "
-            "compiles several models may need it raised."
+            "torch._dynamo.config.recompile_limit bounds the shapes (verification buckets x cache sizes) one model "
+            "compiles: a process calling it at many lengths may need it raised."
         )
         logger.debug("the verification's compilation failed", exc_info=True)
         self.record.eager_calls += counted
-        return self._forward(_call, padded, start)
+        return self._forward(call_model, padded, start)

@@ -7,7 +7,7 @@ from resolved_plans import plan_for
 from tiny_models import FAMILIES, model_pair, random_prompt, supports
 
 from hf_budgetdraft import DraftSpec, record_speculation
-from hf_budgetdraft.generation import compiled_step
+from hf_budgetdraft.generation import compiled_step, draft_steps
 from hf_budgetdraft.generation.plan import static_source_problem
 
 NEW_TOKENS = 24
@@ -217,13 +217,13 @@ def test_a_failed_compilation_falls_back_to_the_eager_step(monkeypatch, caplog):
     ids = random_prompt(120)
     expected = target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS)
 
-    def unavailable(self, compile_config):
-        def step(**kwargs):
+    def unavailable(model, compile_config):
+        def step(model, **kwargs):
             raise RuntimeError("no C++ compiler")
 
-        return step
+        return step, set()
 
-    monkeypatch.setattr(type(drafter), "get_compiled_call", unavailable)
+    monkeypatch.setattr(draft_steps, "compiled_call", unavailable)
     with record_speculation() as stats:
         out = target.generate(
             ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS,

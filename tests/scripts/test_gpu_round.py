@@ -53,6 +53,10 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
             verify = synthetic["runtime"][key]["verify"]
             assert synthetic["runtime"][key]["loop"] == "device_round" and verify["compiled_calls"] > 0
             assert verify["new_shapes"] == verify["recompiles"] == 0  # compiled in the warm pass, never again
+    # the warm pass's first call compiled the one-liner's graphs
+    cold = synthetic["cold_runtime"]["d_oneliner"]
+    assert cold["loop"] == "device_round" and cold["verify"]["new_shapes"] > 0
+    assert cold["verify"]["cuda_graph_skips"] == 0 and synthetic["cuda_graph_skips_in_process"] >= 0
     assert set(synthetic["goals"]) == traces and synthetic["round"]["host_ms_per_drafting_round"] is not None
     assert 0 <= synthetic["margins"]["smallest_top1_margin"] <= synthetic["margins"]["median_top1_margin"]
     assert synthetic["margins"]["median_top1_margin"] > 0
