@@ -318,8 +318,29 @@ def device_round_record(target, prompt, sizes: dict, kwargs: dict, judged: dict,
         **spans.summary(stats),
         "runtime": stats.runtime,
         "synchronisations_per_round": synchronisations(target, prompt, sizes, kwargs, replay),
+        "host_attribution": host_attribution(target, prompt, sizes, kwargs, replay),
     }
     return record
+
+
+# profiler events of a compiled call's host time: dynamo's guard check before it, and the compiled region itself
+# (on CUDA its CUDA-graph replay and input copies)
+HOST_EVENTS = {"dynamo_guard_check": "TorchDynamo Cache Lookup", "compiled_regions": "Torch-Compiled Region"}
+
+
+def host_attribution(target, prompt, sizes: dict, kwargs: dict, replay) -> dict:
+    """Where a round's host time goes, from one more call under the CPU profiler (its overhead included: an
+    attribution, not a timing): µs a round and calls a round in dynamo's guard checks and in compiled regions."""
+    replay.reseed(0)
+    with replay.installed(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _, _, stats = _timed(target, prompt, sizes["new_tokens"], kwargs)
+    rounds, out = max(stats.rounds, 1), {"rounds": stats.rounds}
+    events = prof.key_averages()
+    for name, prefix in HOST_EVENTS.items():
+        matched = [e for e in events if e.key.startswith(prefix)]
+        out[f"{name}_us_per_round"] = sum(e.cpu_time_total for e in matched) / rounds
+        out[f"{name}_calls_per_round"] = sum(e.count for e in matched) / rounds
+    return out
 
 
 def synchronisations(target, prompt, sizes: dict, kwargs: dict, replay) -> float | None:

@@ -58,6 +58,9 @@ def test_cpu_smoke_runs_every_part_and_records_what_ran(tmp_path):
     assert cold["loop"] == "device_round" and cold["verify"]["new_shapes"] > 0
     assert cold["verify"]["cuda_graph_skips"] == 0 and synthetic["cuda_graph_skips_in_process"] >= 0
     assert set(synthetic["goals"]) == traces and synthetic["round"]["host_ms_per_drafting_round"] is not None
+    attribution = synthetic["round"]["host_attribution"]  # a verification and draft steps a round, compiled
+    assert attribution["dynamo_guard_check_calls_per_round"] >= 1
+    assert attribution["compiled_regions_us_per_round"] > 0
     assert 0 <= synthetic["margins"]["smallest_top1_margin"] <= synthetic["margins"]["median_top1_margin"]
     assert synthetic["margins"]["median_top1_margin"] > 0
 
