@@ -103,4 +103,4 @@ class RingSlidingLayer(StaticLayer):
                 f"a ring sliding layer rolls back between 0 and its slack ({self.slack}) tokens, passed as a negative "
                 f"count; got crop({tokens_to_remove})"
             )
-        super().crop(tokens_to_remove)
+        self.cumulative_length.sub_(-tokens_to_remove)  # in place: its address is static

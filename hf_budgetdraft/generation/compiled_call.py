@@ -19,9 +19,8 @@ from transformers import CompileConfig
 
 from .model_state import model_state
 
-STATES_KEPT = (
-    4  # compiled functions kept per model and compile config (one per state the model was called in)
-)
+# compiled functions kept per model and compile config (one per state the model was called in)
+STATES_KEPT = 4
 _PLAIN = frozenset((bool, int, float, str, bytes, type(None), torch.dtype, torch.device))
 # module attributes a forward under no_grad never reads (the submodules are walked on their own)
 _UNREAD = frozenset(
@@ -69,9 +68,7 @@ def module_fingerprint(model) -> int:
         config = module.__dict__.get("config")
         attention = getattr(config, "_attn_implementation", None)
         parts.append((name, type(module), type(module).forward, attention))
-        for key, value in module.__dict__.items():
-            if key not in _UNREAD:
-                parts.append((key, value if type(value) in _PLAIN else _summary(value)))
+        parts.extend((key, _summary(value)) for key, value in module.__dict__.items() if key not in _UNREAD)
         parts.append(tuple(module._modules))
     return hash(tuple(parts))
 

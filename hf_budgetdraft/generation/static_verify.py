@@ -117,6 +117,17 @@ def _written(cache: StaticCache) -> list[StaticLayer]:
     return [layer for layer in cache.layers if isinstance(layer, StaticLayer) and layer.is_initialized]
 
 
+def roll_back(cache: StaticCache, tokens: int | torch.Tensor) -> None:
+    """Move every written layer's count of `cache` back by `tokens` (a 0-dim device tensor needs no host read):
+    one fused subtraction, one kernel on CUDA however many layers (transformers 5.22's static layers have no
+    `crop`). The positions past the count are overwritten by the next write (a ring's too: within its slack)."""
+    lengths = [layer.cumulative_length for layer in _written(cache)]
+    if torch.is_tensor(tokens):
+        torch._foreach_add_(lengths, tokens, alpha=-1)
+    else:
+        torch._foreach_add_(lengths, -tokens)
+
+
 def give_back(target, cache: StaticCache, slack: int) -> None:
     """Return a call's cache (taken with `slack`) to `target`'s free ones, for the next call of its size."""
     state = model_state(target)
@@ -239,7 +250,7 @@ class StaticVerify:
             if (bucket, *self.cache_shape) not in self.shapes and self.record.failure is None:
                 ids = torch.zeros(1, bucket, dtype=torch.long, device=self.target.device)
                 self._compiled(ids, start, bucket, counted=False)
-                self.cache.crop(-bucket)
+                roll_back(self.cache, bucket)
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Verify `tokens (1, n)` at positions `start ...`; `(1, n, V)` float32 logits (a copy: a CUDA graph's output
@@ -256,11 +267,9 @@ class StaticVerify:
 
     def keep(self, kept: torch.Tensor) -> None:
         """After a verification, keep its newest token and `kept (0-dim, device)` drafts: the rejected drafts and
-        the padding leave the cache. Device work queued behind the verification (one fused subtraction from every
-        layer's count: one kernel on CUDA, however many layers), so it needs no host read and, on CUDA, runs while
-        the host waits for the round's accepted count."""
-        back = (self.padded_to - 1) - kept
-        torch._foreach_add_([layer.cumulative_length for layer in _written(self.cache)], back, alpha=-1)
+        the padding leave the cache. Device work queued behind the verification, so it needs no host read and, on
+        CUDA, runs while the host waits for the round's accepted count."""
+        roll_back(self.cache, (self.padded_to - 1) - kept)
 
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
         """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:

@@ -9,7 +9,7 @@ from transformers.cache_utils import StaticLayer
 
 from hf_budgetdraft.cache.ring_sliding_layer import RingSlidingLayer
 from hf_budgetdraft.compat import cache_kwargs
-from hf_budgetdraft.generation.static_verify import static_target_cache
+from hf_budgetdraft.generation.static_verify import roll_back, static_target_cache
 
 SLACK = 8
 # (feed n new tokens) or (roll back k): blocks of more than SLACK tokens (one rolled back into), then steps that wrap
@@ -33,7 +33,7 @@ def test_blocks_steps_and_rollbacks_give_the_uncached_logits(family):
     with torch.no_grad():
         for move in SCRIPT:
             if move < 0:
-                cache.crop(move)
+                roll_back(cache, -move)  # as the device round rolls back
                 sequence = sequence[:, :move]
                 continue
             start = sequence.shape[1]
