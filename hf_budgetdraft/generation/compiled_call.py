@@ -5,27 +5,36 @@ for each module attribute the trace read (its flags, hooks, constants), about tw
 GPU, where the step itself is a CUDA-graph replay, that check is host time paid every draft step and every
 verification. Within one `generate()` call the models do not change, so when a forward compiles as one whole graph
 (`fullgraph=True`) the module guards are dropped (`torch.compiler.skip_guard_on_all_nn_modules_unsafe`) and their
-job is done once per call instead: each compiled function belongs to one model in one state (`module_fingerprint`),
-as a code object of its own, so dynamo never matches its graphs against another model, or against the same model
-after a change. Guards on the inputs (tensors, the cache) and on global state stay.
+job is done once per call instead: each compiled function belongs to one model state (`module_fingerprint`), as a
+code object of its own, so dynamo never matches its graphs against a model in another state (another model, or the
+same model after a change). Guards on the inputs (tensors, the cache) and on global state stay.
 """
 
 from __future__ import annotations
 
+import threading
 import types
+from collections import OrderedDict
 
 import torch
 from transformers import CompileConfig
 
 from .model_state import model_state
 
-# compiled functions kept per model and compile config (one per state the model was called in)
-STATES_KEPT = 4
+# compiled functions kept in the process, one per compile config and model state (models in the same state, such as
+# copies of one model, share one: its graphs read the weights and caches they are given)
+FUNCTIONS_KEPT = 16
+# (compile config key, fingerprint) -> (fn, shapes), least recently used first
+_functions: OrderedDict = OrderedDict()
+_functions_lock = threading.Lock()
 _PLAIN = frozenset((bool, int, float, str, bytes, type(None), torch.dtype, torch.device))
-# module attributes a forward under no_grad never reads (the submodules are walked on their own)
+# module attributes a forward under no_grad never reads (the submodules are walked on their own; a module's
+# config is read through the model's, whole, and the attention implementation noted for each module)
 _UNREAD = frozenset(
     (
         "_modules",
+        "config",
+        "generation_config",
         "_backward_hooks",
         "_backward_pre_hooks",
         "_state_dict_hooks",
@@ -40,13 +49,14 @@ _UNREAD = frozenset(
 
 def call_model(model, **kwargs):
     """`model(**kwargs)`: the function every compiled forward is a copy of (the model an argument, so the compiled
-    function, kept in the model's weakly keyed state, holds no reference to it)."""
+    function, kept for later calls, holds no reference to it)."""
     return model(**kwargs)
 
 
 def _summary(value):
-    """What a trace reads from an attribute value that no tensor guard sees: plain values (and containers of them)
-    as they are, tensors by their metadata, anything else by type and identity (a hook replaced is a new object)."""
+    """What a trace reads from an attribute value that no tensor guard sees: plain values and containers by content,
+    tensors by their metadata, a module held outside the module tree by its class (transformers' kernel wrappers),
+    anything else by type and identity (a hook replaced is a new object)."""
     kind = type(value)
     if kind in _PLAIN:
         return value
@@ -54,8 +64,12 @@ def _summary(value):
         return (kind, value.dtype, value.device, value.shape)
     if isinstance(value, dict):  # a module's parameters, buffers, hooks (mostly empty)
         return (kind, tuple((key, _summary(item)) for key, item in value.items())) if value else kind
-    if kind in (tuple, list) and all(type(item) in _PLAIN for item in value):
-        return (kind, tuple(value))
+    if kind in (tuple, list):
+        return (kind, tuple(_summary(item) for item in value))
+    if kind in (set, frozenset) and all(type(item) in _PLAIN for item in value):
+        return (kind, frozenset(value))
+    if isinstance(value, torch.nn.Module):
+        return kind
     return (kind, id(value))
 
 
@@ -105,21 +119,26 @@ def module_guards_dropped(config: CompileConfig) -> bool:
 
 
 def compiled_call(model, config: CompileConfig) -> tuple:
-    """`(fn, shapes)`: `call_model` compiled with `config` for `model` in its present state (call it as
-    `fn(model, **kwargs)`), and the set of shapes it has compiled (the caller's to fill). Built once per model,
-    config and state; the least recently built beyond `STATES_KEPT` per config is dropped with its graphs."""
-    state, key, fingerprint = model_state(model), _config_key(config), module_fingerprint(model)
+    """`(fn, shapes)`: `call_model` compiled with `config` for models in `model`'s present state (call it as
+    `fn(model, **kwargs)`), and the set of shapes it has compiled (the caller's to fill). Built once per config and
+    model state; the least recently used beyond `FUNCTIONS_KEPT` is dropped with its graphs."""
+    key = (_config_key(config), module_fingerprint(model))
+    with _functions_lock:
+        if key in _functions:
+            _functions.move_to_end(key)
+        else:
+            _functions[key] = (torch.compile(_own_call(), **_compile_options(config)), set())
+            while len(_functions) > FUNCTIONS_KEPT:
+                _functions.popitem(last=False)
+        entry = _functions[key]
+    state = model_state(model)
     with state.lock:
-        functions = state.compiled.setdefault(key, {})  # fingerprint -> (fn, shapes), oldest first
-        if fingerprint not in functions:
-            functions[fingerprint] = (torch.compile(_own_call(), **_compile_options(config)), set())
-            while len(functions) > STATES_KEPT:
-                del functions[next(iter(functions))]
-        return functions[fingerprint]
+        state.compiled.add(key[0])
+    return entry
 
 
 def has_compiled_call(model, config: CompileConfig) -> bool:
-    """Whether this process compiled a forward of `model` with `config` (for any state of the model)."""
+    """Whether this process compiled a forward of `model` with `config` (in any state of the model)."""
     state = model_state(model)
     with state.lock:
-        return bool(state.compiled.get(_config_key(config)))
+        return _config_key(config) in state.compiled

@@ -6,8 +6,8 @@ model) starts with none. Calls on several threads share a model's state under it
 - `rent`: the eager static draft-step seconds a drafter has spent in this process, the rent of the compiled step's
   ski rental (`compiled_step.py`);
 - `free_caches`: a target's static caches between calls (`static_verify.py`);
-- `compiled`: a model's compiled forwards (the target's verification, the drafter's step) per compile config and
-  model state, with the shapes each has compiled (`compiled_call.py`).
+- `compiled`: the compile configs a model's forwards were compiled with (`compiled_call.py`, which keeps the
+  compiled functions themselves per model state).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ModelState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     rent: float = 0.0  # seconds
     free_caches: dict = field(default_factory=dict)  # (size, dtype, device, inference mode) -> [StaticCache]
-    compiled: dict = field(default_factory=dict)  # compile config key -> {model fingerprint: (fn, shapes)}
+    compiled: set = field(default_factory=set)  # compile config keys
 
     def add_rent(self, seconds: float) -> None:
         with self.lock:

@@ -15,12 +15,12 @@ from transformers import CompileConfig
 from hf_budgetdraft.attention.scoped import using_attention
 from hf_budgetdraft.generation import compiled_call as compiled_call_module
 from hf_budgetdraft.generation.compiled_call import (
-    STATES_KEPT,
+    FUNCTIONS_KEPT,
     compiled_call,
+    has_compiled_call,
     module_fingerprint,
     module_guards_dropped,
 )
-from hf_budgetdraft.generation.model_state import model_state
 
 needs_guard_filter = pytest.mark.skipif(
     not hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"),
@@ -33,6 +33,7 @@ def test_the_fingerprint_sees_what_a_trace_reads_besides_tensors():
     target, _ = model_pair("llama", "sdpa")
     first = module_fingerprint(target)
     assert module_fingerprint(target) == first  # stable: a call on an unchanged model reuses its graphs
+    assert module_fingerprint(copy.deepcopy(target)) == first  # a copy is in the same state
     layer = target.model.layers[0]
 
     def differs(change, undo) -> bool:
@@ -153,17 +154,20 @@ def test_two_models_of_the_same_shapes_never_share_a_graph(fresh_dynamo):
         assert verify["failure"] is None and verify["compiled_calls"] == stats.rounds
 
 
-def test_few_states_are_kept_per_model_and_config(fresh_dynamo):
+def test_models_in_one_state_share_a_function_and_few_are_kept(fresh_dynamo):
+    """A copy of a model (the same state) reuses its compiled function (its graphs read the weights they are given);
+    a change makes a new one; the least recently used beyond `FUNCTIONS_KEPT` are dropped."""
     target, _ = model_pair("llama", "sdpa")
     config = CompileConfig(backend=graph_counter()[0], **WHOLE_GRAPH)
-    functions = [compiled_call(target, config)[0]]
-    assert compiled_call(target, config)[0] is functions[0]  # the same state: the same function
-    for _ in range(STATES_KEPT + 1):
+    first = compiled_call(target, config)[0]
+    assert compiled_call(copy.deepcopy(target), config)[0] is first and has_compiled_call(target, config)
+    functions = [first]
+    for _ in range(FUNCTIONS_KEPT):
         target.model.layers[0].self_attn.scaling += 1.0
         functions.append(compiled_call(target, config)[0])
     assert len({id(fn) for fn in functions}) == len(functions)
-    (kept,) = model_state(target).compiled.values()
-    assert len(kept) == STATES_KEPT and {fn for fn, _ in kept.values()} == set(functions[-STATES_KEPT:])
+    kept = {fn for fn, _ in compiled_call_module._functions.values()}
+    assert first not in kept and set(functions[-FUNCTIONS_KEPT:]) <= kept
 
 
 @needs_traceable_transformers
