@@ -104,6 +104,15 @@ def _draft_step_checks(report, name: str, first: dict, second: dict) -> None:
     )
 
 
+def _judged(report, target, ids, name: str, out, stats, reference) -> dict:
+    """One call's row: its output judged against the target's own greedy `reference` (fp32 margin), with its
+    accepted and proposed drafts, plan reasons and runtime record."""
+    row = gpu_round_real.judge(report, target, ids, name, out, reference, gpu_round_real.FP32_MARGIN)
+    accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
+    row.update(accepted=accepted, proposed=proposed, plan=stats.plan.reasons, runtime=stats.runtime)
+    return row
+
+
 def self_drafting(report, name: str, device: torch.device, smoke: bool, sizes: dict) -> dict:
     """One family's copy drafting for it over a covering window, twice."""
     model_type, extra = FAMILIES[name]
@@ -118,11 +127,8 @@ def self_drafting(report, name: str, device: torch.device, smoke: bool, sizes: d
     calls = [_speculate(target, drafter, ids, sizes, smoke, covering) for _ in range(2)]
     result = {}
     for k, (out, stats) in enumerate(calls):
-        row = gpu_round_real.judge(
-            report, target, ids, f"families.{name}.call{k}", out, reference, gpu_round_real.FP32_MARGIN
-        )
-        accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
-        row.update(accepted=accepted, proposed=proposed, plan=stats.plan.reasons, runtime=stats.runtime)
+        row = _judged(report, target, ids, f"families.{name}.call{k}", out, stats, reference)
+        accepted, proposed = row["accepted"], row["proposed"]
         report.check(f"families.{name}.call{k}.static", stats.plan.spec.static, row)
         # the copy reads every key: only a compiled step rounding across an argmax near-tie may disagree
         report.check(
@@ -145,11 +151,7 @@ def _twice_on_the_device_round(report, name: str, target, drafter, seed: int, si
     calls = [_speculate(target, drafter, ids, sizes, smoke, config) for _ in range(2)]
     rows = {}
     for k, (out, stats) in enumerate(calls):
-        row = gpu_round_real.judge(
-            report, target, ids, f"{name}.call{k}", out, reference, gpu_round_real.FP32_MARGIN
-        )
-        accepted, proposed = sum(stats.accepted_per_round), sum(stats.proposed_per_round)
-        row.update(accepted=accepted, proposed=proposed, plan=stats.plan.reasons, runtime=stats.runtime)
+        row = _judged(report, target, ids, f"{name}.call{k}", out, stats, reference)
         report.check(f"{name}.call{k}.device_round", (stats.runtime or {}).get("loop") == "device_round", row)
         rows[f"call{k}"] = row
     _draft_step_checks(report, name, *(stats.runtime["draft_step"] for _, stats in calls))
