@@ -5,10 +5,11 @@
 #   bash scripts/check_release.sh transformers 5.26.0 tests   # a new release, every test: green before the pin moves
 #   bash scripts/check_release.sh torch 2.6.0                 # the oldest torch pyproject.toml admits (CI)
 # Without test arguments it runs the tests that break first on that library: for transformers the integration
-# (family matrix, equivalence, batches, sampling, windowed MTP, the device round and its compiled calls, cache
-# contract), for torch the attention and the integration. The sampling test runs one of its settings (top-p, adaptive draft length): its statistics are the
-# package's own, what a transformers release can break is the call through its logits processors, which that one
-# makes. PyPI's Linux torch wheels are CUDA builds: a torch check downloads a few GB, and runs on CPU.
+# (family matrix, equivalence, batches, sampling, windowed MTP, the device round and its compiled calls, a
+# KV-sharing drafter's compiled step, cache contract), for torch the attention and the integration. The
+# sampling test runs one of its settings (top-p, adaptive draft length): its statistics are the package's own,
+# what a transformers release can break is the call through its logits processors, which that one makes.
+# PyPI's Linux torch wheels are CUDA builds: a torch check downloads a few GB, and runs on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: scripts/check_release.sh transformers|torch VERSION [pytest args...]"
@@ -25,6 +26,7 @@ case "$package" in
       tests/generation/test_multimodal_targets.py tests/generation/test_windowed_assistant.py
       tests/generation/test_other_tokenizer.py tests/generation/test_device_round.py
       tests/generation/test_compiled_call.py tests/cache/test_ring_sliding_layer.py
+      "tests/generation/test_draft_steps.py::test_a_drafter_whose_layers_reuse_keys_compiles_one_graph_and_drafts_as_on_the_dynamic_storage"
       tests/cache/test_cache_contract.py) ;;
   torch) tests=(tests/attention tests/test_generate_equivalence.py tests/test_family_matrix.py) ;;
   *) echo "$usage (got '$package')" >&2; exit 2 ;;

@@ -8,7 +8,9 @@
   bias over the keys (Inkling's relative bias: built on contiguous key positions); the drafter then runs
   `budgetdraft_varlen` for the call (only from `sdpa`-family attention);
 - **compiled one-token draft step** (`compiled_step.py`, or the drafter's own `generation_config.compile_config`,
-  which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation;
+  which also means "compile now"): on CUDA from the first call, on CPU once it pays for its compilation; never
+  where layers reusing an earlier layer's keys copy them first (transformers 5.22's Gemma 3n / Gemma 4: a traced
+  step would lose their slot mask);
 - **cheap verification**: a target loaded with `sdpa` verifies on `budgetdraft_sdpa` (same maths without the GQA
   KV copies); logits agree to float rounding;
 - **the CPU speed-ups** (`cpu/`), on CPU only: lean draft steps on a Llama-layout drafter's weights, few-row linear
@@ -106,6 +108,47 @@ def _static_layer_problem(attention_class: type) -> str | None:
         return static_source_problem(attention_class.__name__, inspect.getsource(attention_class.forward))
     except (OSError, TypeError, SyntaxError):
         return f"{attention_class.__name__}'s source cannot be read to check how it calls the cache"
+
+
+def copied_reused_keys_problem(name: str, source: str) -> str | None:
+    """Why a compiled step of a layer `name` that reuses an earlier layer's keys (Gemma 3n / Gemma 4 past their
+    KV-sharing point) would lose their slot mask (`None`: it keeps it). Such a layer finds the mask through the key
+    buffer it is handed; one whose `forward` (`source`) hands the attention function a `.to(...)` of the keys
+    (transformers 5.22) hands it the buffer itself when it runs eagerly, a new tensor without the owner when traced."""
+    nodes = list(ast.walk(ast.parse(textwrap.dedent(source))))
+    calls = [
+        n for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "attention_interface"
+    ]
+    keys = {getattr(c.args[2], "id", None) for c in calls if len(c.args) >= 3} - {None}
+    copied = any(
+        isinstance(n, ast.Assign)
+        and any(getattr(t, "id", None) in keys for t in n.targets)
+        and isinstance(n.value, ast.Call)
+        and getattr(n.value.func, "attr", None) == "to"
+        for n in nodes
+    )
+    if copied:
+        return (
+            f"{name} hands the attention function a .to(...) copy of the keys it reuses, which a traced step cannot "
+            "trace back to their slot mask (it would attend to stale slots)"
+        )
+    return None
+
+
+@functools.cache
+def _reusing_layer_problem(attention_class: type) -> str | None:
+    try:
+        return copied_reused_keys_problem(
+            attention_class.__name__, inspect.getsource(attention_class.forward)
+        )
+    except (OSError, TypeError, SyntaxError):
+        return f"{attention_class.__name__}'s source cannot be read to check how it hands over the keys it reuses"
+
+
+def compiled_step_problem(model) -> str | None:
+    """Why a compiled step of `model` on a static draft cache would not compute the eager step (`None`: it would)."""
+    classes = {type(m) for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True}
+    return next((problem for c in classes if (problem := _reusing_layer_problem(c))), None)
 
 
 def static_cache_problem(model) -> str | None:
@@ -247,7 +290,9 @@ def resolve_plan(
         )
     static, static_reason = _static_choice(spec, drafter)
     lean, lean_problem = lean_step_choice(spec.lean_step, static, drafter, rules)
-    compiled, compile_config, compile_reason = compile_choice(spec, static, lean, drafter, call, rules)
+    compiled, compile_config, compile_reason = compile_choice(
+        spec, static, lean, drafter, call, rules, compiled_step_problem(drafter) if static else None
+    )
     length, source, threshold, start = draft_length_choice(
         spec, "draft_length" in (cache_config or {}), call, drafter
     )

@@ -93,9 +93,16 @@ def window_choice(spec: DraftSpec, drafter, rules: DeviceRules) -> tuple[int | N
 
 
 def compile_choice(
-    spec: DraftSpec, static: bool, lean: bool, drafter, call: GenerationConfig, rules: DeviceRules
+    spec: DraftSpec,
+    static: bool,
+    lean: bool,
+    drafter,
+    call: GenerationConfig,
+    rules: DeviceRules,
+    trace_problem: str | None = None,
 ) -> tuple[bool, CompileConfig, str]:
-    """`(compile the one-token draft step, how, why)`; an explicit compile config on the drafter means "compile"."""
+    """`(compile the one-token draft step, how, why)`; an explicit compile config on the drafter means "compile".
+    `trace_problem`: why a traced step of this drafter would not compute its eager step (it then stays eager)."""
     asked = drafter.generation_config.compile_config
     config = asked or draft_step_compile_config(drafter.device)
     compiled = True if spec.compile == AUTO and asked is not None and static else spec.compile
@@ -107,6 +114,12 @@ def compile_choice(
         return False, config, "generate(disable_compile=True)"
     if not static:
         return False, config, "the draft cache is not static"
+    if trace_problem:
+        if spec.compile is True:
+            raise ValueError(
+                f"compile=True cannot hold: {trace_problem}. Drop compile: the step then runs eagerly"
+            )
+        return False, config, trace_problem
     if compiled != AUTO:
         return compiled, config, "drafter.generation_config.compile_config" if asked else "cache_config"
     if not has_fixed_shape_steps(drafter.config):

@@ -8,7 +8,7 @@ from tiny_models import FAMILIES, model_pair, random_prompt, supports
 
 from hf_budgetdraft import DraftSpec, record_speculation
 from hf_budgetdraft.generation import compiled_step, draft_steps
-from hf_budgetdraft.generation.plan import static_source_problem
+from hf_budgetdraft.generation.plan import copied_reused_keys_problem, static_source_problem
 
 NEW_TOKENS = 24
 LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3", "granite"}  # what the lean draft step can run
@@ -168,6 +168,33 @@ def test_the_slot_mask_must_reach_the_attention_function(source, static):
     assert (problem is None) is static
     if not static:
         assert "neither passes its kwargs to cache.update nor hands the keys" in problem
+
+
+_REUSES_KEYS = """
+def forward(self, hidden_states, shared_kv_states, past_key_values=None, **kwargs):
+    if self.is_kv_shared_layer:
+        key_states, value_states = shared_kv_states[self.layer_type]
+    else:
+        key_states = self.k_proj(hidden_states)
+    if past_key_values is not None and not self.is_kv_shared_layer:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    return attention_interface(self, query_states, key_states, value_states, mask, **kwargs)
+"""
+_COPIES_REUSED_KEYS = _REUSES_KEYS.replace(
+    "self.layer_type]\n", "self.layer_type]\n        key_states = key_states.to(query_states.device)\n"
+)
+
+
+def test_a_layer_that_copies_the_keys_it_reuses_keeps_its_step_eager():
+    """A layer reusing an earlier layer's keys finds their slot mask through the buffer it is handed. transformers
+    5.22's Gemma 3n / Gemma 4 copy them with `.to(device)` first: the buffer itself when run eagerly, a new tensor
+    in a traced step, so such a step is not compiled; a layer handing them over as they are compiles."""
+    assert _COPIES_REUSED_KEYS != _REUSES_KEYS
+    assert copied_reused_keys_problem("TinyAttention", _REUSES_KEYS) is None
+    problem = copied_reused_keys_problem("TinyAttention", _COPIES_REUSED_KEYS)
+    assert problem.startswith(
+        "TinyAttention hands the attention function a .to(...) copy of the keys it reuses"
+    )
 
 
 @pytest.mark.parametrize("name", ["budgeted", "sink_window"])
