@@ -317,9 +317,10 @@ def test_a_multimodal_drafter_reads_the_image(family, request, monkeypatch):
 
 @pytest.fixture
 def cuda_loops():
-    """CUDA's choices about loops (the device round), on the CPU; the verification eager (compiling is slow here)."""
+    """CUDA's choices about loops (the device round), on the CPU; the verification and the draft step eager
+    (compiling is slow here, and not what these tests are about)."""
     with cuda_rules_on_cpu():
-        yield {"compile_verify": False}
+        yield {"compile_verify": False, "compile": False}
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_vl-video"])
