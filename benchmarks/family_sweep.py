@@ -24,6 +24,12 @@ storage (dynamic and static slots), 4 tokens a round: reading every key, a copy 
 draft. Fewer means a draft path computes something other than the drafter's own forward (a bias or kwarg the
 sparse attention drops): output stays the target's, only acceptance shows it.
 
+Last, the drafter's static step traced as CUDA compiles it (one whole graph, fixed shapes; dynamo's `eager` backend
+runs the traced graph, so no compiler is involved) must draft what its eager step drafts, round for round, on the
+`sink_window` cache whose ring wraps: a trace that loses something the eager step reads (a tensor attribute, a
+Python-side state) drafts otherwise, and only acceptance shows it. `same` where it does, `not compiled: why`
+where the plan keeps the step eager.
+
 A tool to find gaps, not a test: the family matrix in `tests/` is the contract. Writes
 `benchmarks/results/family_sweep.{json,md}` by default.
 """
@@ -140,6 +146,8 @@ CACHES = {
 # every key kept (the window covers prompt and output), a fixed draft length: a copy of the target accepts each draft
 SELF_DRAFT = {"num_sink_tokens": 4, "window_length": 1024, "draft_length": 4}
 STORAGES = {"dynamic": False, "static": True}
+# CUDA's draft-step compile setting, its graph run by dynamo's eager backend (traced, not compiled)
+TRACED = {"backend": "eager", "fullgraph": True, "dynamic": False, "mode": None}
 PROMPT, NEW_TOKENS, MAX_PARAMETERS = 150, 16, 30_000_000
 MEMORY_BYTES, SECONDS = 6 << 30, 300
 
@@ -283,7 +291,47 @@ def sweep_one(model_type: str) -> dict:
     row["self_draft"] = {
         storage: _self_draft(target, drafter, ids, expected, static) for storage, static in STORAGES.items()
     }
+    row["traced_step"] = _traced_step(target, drafter, ids, expected)
     return row
+
+
+def _traced_step(target, drafter, ids, expected) -> str:
+    """`"same"` when the drafter's static step traced on CUDA's setting (`TRACED`) drafts round for round what its
+    eager step drafts on the wrapping `sink_window` cache; `"differs (eager a/p, traced a/p)"`; `"not compiled:
+    why"` where the plan keeps it eager; or what `_outcome` says when the output differs or a call raises."""
+    import copy
+
+    import torch
+    from transformers import CompileConfig
+
+    import hf_budgetdraft
+
+    runs = {}
+
+    def draft(name: str, model, compile_step: bool) -> bool:
+        cache_config = {**CACHES["sink_window"], "draft_length": 4, "static": True}
+        if not compile_step:
+            cache_config["compile"] = False
+        with hf_budgetdraft.record_speculation() as stats:
+            out = target.generate(
+                ids, assistant_model=model, do_sample=False, max_new_tokens=NEW_TOKENS,
+                cache_implementation="sink_window", cache_config=cache_config,
+            )  # fmt: skip
+        runs[name] = stats
+        return torch.equal(out, expected)
+
+    traced = copy.deepcopy(drafter)
+    traced.generation_config.compile_config = CompileConfig(**TRACED)
+    outcome = _outcome(lambda: draft("eager", drafter, False) and draft("traced", traced, True))
+    if outcome != "identical":
+        return outcome
+    if not runs["traced"].plan.spec.compile:
+        return f"not compiled: {runs['traced'].plan.reasons['compile'][:120]}"
+    rounds = {name: (s.accepted_per_round, s.proposed_per_round) for name, s in runs.items()}
+    if rounds["eager"] == rounds["traced"]:
+        return "same"
+    counts = {name: f"{sum(a)}/{sum(p)}" for name, (a, p) in rounds.items()}
+    return f"differs (eager {counts['eager']}, traced {counts['traced']})"
 
 
 def _self_draft(target, drafter, ids, expected, static: bool) -> str:
@@ -377,6 +425,16 @@ def _short_line(rows: list[dict]) -> str:
     )
 
 
+def _traced_line(rows: list[dict]) -> str:
+    """The families whose traced static step drafted otherwise than their eager one."""
+    differ = [row["family"] for row in rows if str(row.get("traced_step", "")).startswith("differs (")]
+    return (
+        "Traced static step (CUDA's whole-graph setting, run by dynamo's eager backend) against the eager one, on a "
+        f"wrapping sink_window ring: {len(differ)} families drafted otherwise"
+        + (f": {', '.join(differ)}." if differ else ".")
+    )
+
+
 def table(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
     counts = Counter(verdict(row) for row in rows)
@@ -394,16 +452,20 @@ def table(result: dict) -> str:
         "",
         _short_line(rows),
         "",
-        "| family | verdict | stock assisted | budgeted | sink_window | self-draft, every key (dynamic / static) |",
-        "|---|---|---|---|---|---|",
+        _traced_line(rows),
+        "",
+        "| family | verdict | stock assisted | budgeted | sink_window | self-draft, every key (dynamic / static) "
+        "| traced step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["built"] == "yes":
             self_draft = row.get("self_draft", {})
             cells = [row["stock"], row["budgeted"], row["sink_window"]]
             cells.append(" / ".join(self_draft.get(storage, "not run")[:60] for storage in STORAGES))
+            cells.append(row.get("traced_step", "not run")[:80])
         else:
-            cells = [f"not built: {row['built'][:80]}", "", "", ""]
+            cells = [f"not built: {row['built'][:80]}", "", "", "", ""]
         cells = [c.replace("|", "/").replace("\n", " ") for c in cells]
         family = row["family"] + (" (image-text-to-text)" if row.get("kind") == "image-text-to-text" else "")
         lines.append(f"| {family} | {verdict(row)} | " + " | ".join(cells) + " |")

@@ -21,10 +21,12 @@ def test_three_families_each_in_a_process(tmp_path):
         accepted, proposed = map(int, row["self_draft"]["static"].split("/"))
         assert accepted == proposed
         drafted += proposed
+        assert row["traced_step"] == "same"  # the step traced as CUDA compiles it drafts as the eager one
     assert drafted > 0
     table = (tmp_path / "fs.md").read_text()
     assert "2 causal-LM and 1 image-text-to-text families" in table
     assert "| nanochat | identical |" in table and "| llava (image-text-to-text) | identical |" in table
+    assert "on a wrapping sink_window ring: 0 families drafted otherwise." in table
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "gemma3"])
@@ -54,6 +56,15 @@ def test_a_copy_that_drafts_short_is_named():
     refused = {"family": "y", "built": "yes", "self_draft": {"dynamic": "8/8", "static": "refused: bias"}}
     assert sweep.drafts_short(refused) == []
     assert "1 families accepted fewer drafts than proposed: x (static)." in sweep._short_line([row, refused])
+
+
+def test_a_traced_step_that_drafts_otherwise_is_named():
+    rows = [
+        {"family": "x", "traced_step": "differs (eager 9/20, traced 5/20)"},
+        {"family": "y", "traced_step": "same"},
+    ]
+    rows.append({"family": "z", "traced_step": "not compiled: the drafter's layers copy their keys"})
+    assert sweep._traced_line(rows).endswith("1 families drafted otherwise: x.")
 
 
 def test_an_unknown_family_is_named():
