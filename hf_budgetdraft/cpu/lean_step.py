@@ -61,13 +61,15 @@ def _layer_problem(layer: nn.Module) -> str | None:
         return f"an MLP made of {sorted(_children(mlp))}, not a gated one of plain nn.Linear"
     if not hasattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb"):
         return "no apply_rotary_pos_emb in its modeling file"
+    if not getattr(attention, "use_rope", True):
+        return "attention layers without rotary embeddings (SmolLM3's NoPE layers)"
     return None
 
 
 def lean_step_problem(model: nn.Module) -> str | None:
     """Why `LeanDraftStep` cannot run `model` (`None`: it can): it needs a causal LM of pre-norm decoder layers
-    with gated MLPs, rotary embeddings and full attention only (Llama, Mistral without a sliding window, Qwen2,
-    Qwen3, ...)."""
+    with gated MLPs, rotary embeddings in every layer and full attention only (Llama, Mistral without a sliding
+    window, Qwen2, Qwen3, ...)."""
     decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     if decoder is None or not _plain_linear(getattr(model, "lm_head", None)):
         return f"{type(model).__name__} has no decoder or no plain lm_head"

@@ -85,6 +85,22 @@ def test_a_gated_attention_drafts_with_its_own_forward(family):
     assert torch.equal(out, target.generate(ids, **call))
 
 
+def test_a_drafter_with_layers_without_rope_is_not_run_lean(caplog):
+    """SmolLM3 leaves rotary embeddings out of every fourth layer (NoPE): the lean step, which rotates every layer's
+    queries and keys, is not tried (before, its first-step check caught the difference and warned at every call)."""
+    sizes = dict(COMMON, num_hidden_layers=4, head_dim=16)
+    torch.manual_seed(0)
+    drafter = AutoModelForCausalLM.from_config(AutoConfig.for_model("smollm3", **sizes)).eval()
+    assert "without rotary embeddings" in lean_step_problem(drafter)
+    target, _ = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    ids = random_prompt(120)
+    call = dict(do_sample=False, max_new_tokens=12)
+    with caplog.at_level(logging.WARNING), record_speculation() as stats:
+        out = target.generate(ids, assistant_model=drafter, cache_implementation="budgeted", **call)
+    assert torch.equal(out, target.generate(ids, **call)) and stats.plan.spec.lean_step is False
+    assert "lean draft step" not in caplog.text
+
+
 def test_an_unmerged_adapter_is_not_run_lean():
     peft = pytest.importorskip("peft")
     drafter = static_drafter("llama")
