@@ -30,7 +30,7 @@ from hf_budgetdraft.generation.spec import DraftSpec
 from hf_budgetdraft.runs.timed_call import timed_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 # the module, not the function of the same name the package exports
 compare_module = importlib.import_module("hf_budgetdraft.app.backend.compare")
@@ -167,10 +167,7 @@ def write(rows: list[dict], args) -> None:
             f"{statistics.median(r['app_speculative'] / r['app_ar'] for r in cell):.2f} | "
             f"{statistics.median(r['direct_speculative'] / r['direct_ar'] for r in cell):.2f} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

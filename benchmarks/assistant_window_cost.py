@@ -15,7 +15,6 @@ timed as the median of `--repeats` blocks of `--steps` steps, and the table give
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 from hf_budgetdraft.generation.windowed_assistant import window_states  # noqa: E402
 
@@ -138,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure(args.contexts, args.sink, args.window, args.repeats, args.steps)
     meta = {**run_record(threads=args.threads), "sink": args.sink, "window": args.window}
     result = {"meta": {**meta, "repeats": args.repeats, "steps": args.steps}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(table(result))
+    write_results(args.out, result, table(result), echo=False)
 
 
 if __name__ == "__main__":

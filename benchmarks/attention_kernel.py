@@ -16,7 +16,6 @@ Run it alone (no other busy process: on 2 cores a second one stalls torch's thre
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -172,11 +171,7 @@ def main() -> None:
         "records": records,
         "fits": fits,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "attention_kernel.json").write_text(json.dumps(summary, indent=2))
-    lines = markdown(summary, args)
-    (args.output_dir / "attention_kernel.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.output_dir / "attention_kernel", summary, "\n".join(markdown(summary, args)))
 
 
 if __name__ == "__main__":

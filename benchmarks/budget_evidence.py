@@ -60,7 +60,7 @@ from hf_budgetdraft.runs.intervals import wilson_interval
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_goals  # noqa: E402
 from one_liner_speed import paired_speeds, summarise_speeds  # noqa: E402
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PASSAGE, LEAD = 128, 64  # a copy probe's passage, and the filler before its first sight
@@ -397,10 +397,7 @@ def main(argv=None) -> None:
     if roles is not None:
         report["goals"] = budget_goals.goals(results, roles, args.bootstrap_draws, args.goal_budgets)
         table += "\n" + budget_goals.markdown(report["goals"], roles)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+    write_results(args.out, report, table)
 
 
 def _interval(low_high) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ from hf_budgetdraft.runs.timed_call import ar_setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_default import RESULTS, passage_offsets, texts  # noqa: E402
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 from verify_cost import time_forward  # noqa: E402
 
 TEMPERATURE = 0.8
@@ -198,10 +197,7 @@ def main() -> None:
                     row.update(cell(demo, prompt, args, do_sample, verify))
                     rows.append(row)
                     print(markdown([row], meta).splitlines()[-1], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    write_results(args.out, {"meta": meta, "rows": rows}, markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from hf_budgetdraft.demo.documents import DEMO_TEXT
 from hf_budgetdraft.runs.timed_call import timed_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUESTION_TOKENS = 32
@@ -274,10 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     result = {"meta": meta, "summary": summary(rows), "rows": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table(result))
-    print(table(result))
+    write_results(out, result, table(result))
 
 
 if __name__ == "__main__":

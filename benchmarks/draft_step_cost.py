@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ from hf_budgetdraft.demo.random_models import random_llama_config
 from hf_budgetdraft.generation.compiled_call import compiled_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 
 def make_caches(config, static_config, args) -> dict:
@@ -263,11 +262,8 @@ def main() -> None:
         "growth_from_min_to_max_context": growth,
         "records": records,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "draft_step_cost.json").write_text(json.dumps(summary, indent=2))
     table = markdown(records, growth, args) + f" {run_text(summary)}."
-    (args.output_dir / "draft_step_cost.md").write_text(table + "\n")
-    print(table)
+    write_results(args.output_dir / "draft_step_cost", summary, table)
 
 
 if __name__ == "__main__":

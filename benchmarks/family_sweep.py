@@ -46,7 +46,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record  # noqa: E402
+from provenance import run_record, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = dict(
@@ -498,9 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(run_isolated(family))
         print(family, verdict(rows[-1]), flush=True)
     result = {"meta": run_record(threads=1), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(table(result))
+    write_results(args.out, result, table(result), echo=False)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ it alone: a second busy process on 2 cores stalls torch's threads.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -45,7 +44,7 @@ from hf_budgetdraft.quiet import quiet_transformers
 from hf_budgetdraft.runs.intervals import wilson_interval
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 COPY_GOAL, RETRIEVAL_GOAL, GOAL_DISTANCE = 0.90, 0.50, 8192
 
@@ -162,11 +161,7 @@ def main(argv=None) -> dict:
     command = "python benchmarks/far_context_skill.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {"command": command, **run_record(args.threads)}
     meta["seconds"] = round(time.time() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "models": results}, indent=1))
-    table = markdown(results, meta, args)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+    write_results(args.out, {"meta": meta, "models": results}, markdown(results, meta, args))
     return results
 
 

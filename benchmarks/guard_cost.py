@@ -20,7 +20,6 @@ Quick smoke run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM, StaticCac
 from hf_budgetdraft.generation.compiled_call import call_model, compiled_call, module_fingerprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 LOOKUP_EVENT = "TorchDynamo Cache Lookup"
 WHOLE_GRAPH = dict(backend="eager", fullgraph=True, dynamic=False, mode=None)
@@ -151,11 +150,7 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "guard_cost.json").write_text(json.dumps(summary, indent=2))
-    table = markdown(summary)
-    (args.output_dir / "guard_cost.md").write_text(table + "\n")
-    print(table)
+    write_results(args.output_dir / "guard_cost", summary, markdown(summary))
 
 
 if __name__ == "__main__":

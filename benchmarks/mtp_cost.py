@@ -41,7 +41,6 @@ On a GPU (the paper's setting; not run here, no GPU was lent):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -59,7 +58,7 @@ from hf_budgetdraft.cache import GrowableLayer, WindowedMtpCache
 from hf_budgetdraft.generation.draft_length.clock import synchronize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 SHAPES = {
     # MoE fields: transformers builds GLM-4 MTP layers as MoE blocks whatever `first_k_dense_replace` says; the
@@ -439,10 +438,8 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
     }
-    (args.output_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
     table = markdown(bench, records, where) + f"\n\n{run_text(summary)}."
-    (args.output_dir / f"{name}.md").write_text(table + "\n")
-    print(table)
+    write_results(args.output_dir / name, summary, table)
 
 
 if __name__ == "__main__":

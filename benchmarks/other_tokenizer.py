@@ -19,7 +19,6 @@ against stock AR's; a failure of transformers' own loop is recorded in its row. 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 import hf_budgetdraft  # noqa: E402, F401  (registers the cache implementations)
 from hf_budgetdraft.demo import load_demo_models  # noqa: E402
@@ -174,9 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {**run_record(threads=args.threads), "repeats": args.repeats, "new_tokens": args.new_tokens}
     meta["passages"] = args.passages
     result = {"meta": meta, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(table(result))
+    write_results(args.out, result, table(result), echo=False)
     if any(row["identical"] is False for row in rows):
         raise SystemExit("a row's output differs from stock AR's")
 

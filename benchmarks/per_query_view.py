@@ -12,7 +12,6 @@ fp32 keys `(1, H_kv, P + T, D)` and queries `(1, H_q, T, D)`, medians of interle
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ from hf_budgetdraft.cache.policies import DynamicChunkPolicy
 from hf_budgetdraft.trainer import per_query_view
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,11 +111,7 @@ def main(argv=None) -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "records": records,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "per_query_view.json").write_text(json.dumps(summary, indent=2))
-    lines = markdown(summary)
-    (args.output_dir / "per_query_view.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.output_dir / "per_query_view", summary, "\n".join(markdown(summary)))
 
 
 if __name__ == "__main__":

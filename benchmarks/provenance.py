@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -38,6 +39,16 @@ def run_record(threads: int) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def write_results(stem: Path, result: dict, table: str, echo: bool = True) -> None:
+    """Write a benchmark's `result` to `stem`.json and its Markdown `table` to `stem`.md (creating the folder),
+    and print the table unless `echo` is False."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(table.rstrip("\n") + "\n")
+    if echo:
+        print(table.rstrip("\n"))
 
 
 def run_text(meta: dict) -> str:

@@ -23,7 +23,6 @@ Runs single-threaded (`torch.set_num_threads(1)`; the machine is shared) and wri
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from hf_budgetdraft.eval.runners import run_assisted
 from hf_budgetdraft.export_drafter import export_drafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SINK = 64
@@ -195,10 +194,7 @@ def main(argv=None) -> int:
         **run_record(args.threads),
         "seconds": time.perf_counter() - start,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2) + "\n")
-    args.output.with_suffix(".md").write_text(markdown(meta, table))
-    print(markdown(meta, table))
+    write_results(args.output, {"meta": meta, "rows": table}, markdown(meta, table))
     return 0 if all(r["identical_to_full"] for r in table) else 1
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("ar_batch", "ar_sequential", "one_liner", "one_liner_sequential", "one_liner_continued")
@@ -189,10 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": time.perf_counter() - began,
     }
     result = {"meta": meta, "summary": summary(rows), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ import hf_budgetdraft  # noqa: F401  (registers budgetdraft_sdpa)
 from hf_budgetdraft import GrowableCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 SETUPS = {  # name -> (attn_implementation, cache class)
     "stock": ("sdpa", DynamicCache),
@@ -350,12 +349,8 @@ def main() -> None:
         "equivalence_checks": checks,
         "records": records,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = "verify_cost" + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    (args.output_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
-    table = markdown(summary, lengths, args)
-    (args.output_dir / f"{stem}.md").write_text(table + "\n")
-    print(table)
+    write_results(args.output_dir / stem, summary, markdown(summary, lengths, args))
 
 
 if __name__ == "__main__":
