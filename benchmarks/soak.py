@@ -8,14 +8,13 @@ the table gives the first and last samples after the warm-up and the RSS slope p
 
     python benchmarks/soak.py --threads 2 --output-dir benchmarks/results
 Quick run:
-    python benchmarks/soak.py --calls 60 --every 20 --output-dir /tmp/soak
+    python benchmarks/soak.py --calls 60 --every 20 --warmup 20 --output-dir /tmp/soak
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from hf_budgetdraft.demo import load_demo_models
 from hf_budgetdraft.demo.documents import DEMO_TEXT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 PATHS = ("budgeted", "sink_window", "sampling", "batched", "self_draft", "plain")
 
@@ -125,6 +124,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if min(args.calls, args.every) < 1 or args.warmup < 0 or args.calls - args.warmup < args.every:
+        parser.error(
+            f"got --calls {args.calls}, --every {args.every}, --warmup {args.warmup}: the slope needs a memory "
+            "sample after the warm-up, so --calls must exceed --warmup by at least --every (all positive)"
+        )
     torch.set_num_threads(args.threads)
     result = run(args)
     report = {
@@ -133,10 +137,7 @@ def main() -> None:
         **result,
         "summary": summarize(result, args.warmup),
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.output_dir / "soak.md").write_text(table(report) + "\n")
-    print(table(report))
+    write_results(args.output_dir / "soak", report, table(report))
 
 
 if __name__ == "__main__":
