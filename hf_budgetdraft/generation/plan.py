@@ -57,14 +57,24 @@ from .spec import AUTO, DraftSpec
 SDPA_FAMILY = ("sdpa", FAST_SDPA, VARLEN)
 
 
+def _nodes(source: str) -> list[ast.AST]:
+    """Every node of a parsed method `source`."""
+    return list(ast.walk(ast.parse(textwrap.dedent(source))))
+
+
+def _attention_calls(nodes: list[ast.AST]) -> list[ast.Call]:
+    """The `attention_interface(...)` calls among `nodes`."""
+    return [
+        n for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "attention_interface"
+    ]
+
+
 def _keys_reach_attention_unchanged(source: str) -> bool:
     """Whether the attention `forward` of `source` hands the keys `cache.update` returns to transformers' attention
     function as they are: one update, one `attention_interface(...)` call taking them as its keys, the name not bound
     again between the two."""
-    nodes = list(ast.walk(ast.parse(textwrap.dedent(source))))
-    calls = [
-        n for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "attention_interface"
-    ]
+    nodes = _nodes(source)
+    calls = _attention_calls(nodes)
     updates = [
         n
         for n in nodes
@@ -102,12 +112,12 @@ def static_source_problem(name: str, source: str) -> str | None:
 
 
 @functools.cache
-def _static_layer_problem(attention_class: type) -> str | None:
-    """`static_source_problem` of `attention_class`'s `forward`."""
+def _class_problem(attention_class: type, source_problem: Callable[[str, str], str | None]) -> str | None:
+    """`source_problem(name, source)` of `attention_class`'s `forward` (once per class and check)."""
     try:
-        return static_source_problem(attention_class.__name__, inspect.getsource(attention_class.forward))
+        return source_problem(attention_class.__name__, inspect.getsource(attention_class.forward))
     except (OSError, TypeError, SyntaxError):
-        return f"{attention_class.__name__}'s source cannot be read to check how it calls the cache"
+        return f"{attention_class.__name__}'s source cannot be read to check how it hands its keys over"
 
 
 def copied_reused_keys_problem(name: str, source: str) -> str | None:
@@ -115,11 +125,8 @@ def copied_reused_keys_problem(name: str, source: str) -> str | None:
     KV-sharing point) would lose their slot mask (`None`: it keeps it). Such a layer finds the mask through the key
     buffer it is handed; one whose `forward` (`source`) hands the attention function a `.to(...)` of the keys
     (transformers 5.22) hands it the buffer itself when it runs eagerly, a new tensor without the owner when traced."""
-    nodes = list(ast.walk(ast.parse(textwrap.dedent(source))))
-    calls = [
-        n for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "attention_interface"
-    ]
-    keys = {getattr(c.args[2], "id", None) for c in calls if len(c.args) >= 3} - {None}
+    nodes = _nodes(source)
+    keys = {getattr(c.args[2], "id", None) for c in _attention_calls(nodes) if len(c.args) >= 3} - {None}
     copied = any(
         isinstance(n, ast.Assign)
         and any(getattr(t, "id", None) in keys for t in n.targets)
@@ -135,20 +142,12 @@ def copied_reused_keys_problem(name: str, source: str) -> str | None:
     return None
 
 
-@functools.cache
-def _reusing_layer_problem(attention_class: type) -> str | None:
-    try:
-        return copied_reused_keys_problem(
-            attention_class.__name__, inspect.getsource(attention_class.forward)
-        )
-    except (OSError, TypeError, SyntaxError):
-        return f"{attention_class.__name__}'s source cannot be read to check how it hands over the keys it reuses"
-
-
 def compiled_step_problem(model) -> str | None:
     """Why a compiled step of `model` on a static draft cache would not compute the eager step (`None`: it would)."""
     classes = {type(m) for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True}
-    return next((problem for c in classes if (problem := _reusing_layer_problem(c))), None)
+    return next(
+        (problem for c in classes if (problem := _class_problem(c, copied_reused_keys_problem))), None
+    )
 
 
 def static_cache_problem(model) -> str | None:
@@ -158,7 +157,7 @@ def static_cache_problem(model) -> str | None:
     }
     if not classes:
         return f"{type(model).__name__} has no attention layers with a layer_idx"
-    return next((problem for c in classes if (problem := _static_layer_problem(c))), None)
+    return next((problem for c in classes if (problem := _class_problem(c, static_source_problem))), None)
 
 
 def supports_static_cache(model) -> bool:
