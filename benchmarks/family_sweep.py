@@ -295,6 +295,18 @@ def sweep_one(model_type: str) -> dict:
     return row
 
 
+def _on_sink_window(target, drafter, ids, cache_config: dict) -> tuple:
+    """`(output, stats)` of one greedy one-liner call drafting on a `sink_window` cache of `cache_config`."""
+    import hf_budgetdraft
+
+    with hf_budgetdraft.record_speculation() as stats:
+        out = target.generate(
+            ids, assistant_model=drafter, do_sample=False, max_new_tokens=NEW_TOKENS,
+            cache_implementation="sink_window", cache_config=cache_config,
+        )  # fmt: skip
+    return out, stats
+
+
 def _traced_step(target, drafter, ids, expected) -> str:
     """`"same"` when the drafter's static step traced on CUDA's setting (`TRACED`) drafts round for round what its
     eager step drafts on the wrapping `sink_window` cache; `"differs (eager a/p, traced a/p)"`; `"not compiled:
@@ -304,20 +316,13 @@ def _traced_step(target, drafter, ids, expected) -> str:
     import torch
     from transformers import CompileConfig
 
-    import hf_budgetdraft
-
     runs = {}
 
     def draft(name: str, model, compile_step: bool) -> bool:
         cache_config = {**CACHES["sink_window"], "draft_length": 4, "static": True}
         if not compile_step:
             cache_config["compile"] = False
-        with hf_budgetdraft.record_speculation() as stats:
-            out = target.generate(
-                ids, assistant_model=model, do_sample=False, max_new_tokens=NEW_TOKENS,
-                cache_implementation="sink_window", cache_config=cache_config,
-            )  # fmt: skip
-        runs[name] = stats
+        out, runs[name] = _on_sink_window(target, model, ids, cache_config)
         return torch.equal(out, expected)
 
     traced = copy.deepcopy(drafter)
@@ -339,20 +344,10 @@ def _self_draft(target, drafter, ids, expected, static: bool) -> str:
     rounds before an EOS), or what `_outcome` says when the output differs or the call raises."""
     import torch
 
-    import hf_budgetdraft
-
     counts = []
 
     def call() -> bool:
-        with hf_budgetdraft.record_speculation() as stats:
-            out = target.generate(
-                ids,
-                assistant_model=drafter,
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                cache_implementation="sink_window",
-                cache_config={**SELF_DRAFT, "static": static},
-            )
+        out, stats = _on_sink_window(target, drafter, ids, {**SELF_DRAFT, "static": static})
         rounds = list(zip(stats.accepted_per_round, stats.proposed_per_round, strict=True))
         # a call that stopped at an EOS did so in its last round, whose drafts past it count as rejected
         if out.shape[1] < ids.shape[1] + NEW_TOKENS:
