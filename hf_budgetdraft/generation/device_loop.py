@@ -194,7 +194,13 @@ class DeviceRound:
         slack = ring_slack(self.most + 1)
         cache = take_cache(self.target, prompt + budget + self.most + 1, slack)
         try:
-            self.verify = StaticVerify(self.target, cache, self.plan.verify_compile_config, self.most + 1)
+            self.verify = StaticVerify(
+                self.target,
+                cache,
+                self.plan.verify_compile_config,
+                self.most + 1,
+                coarse=self.plan.coarse_verify_buckets,
+            )
             if cached:
                 self.verify.load(given, cached)
             sequences = self._generate(input_ids, budget, streamer, stats, cached)

@@ -31,6 +31,8 @@ class DeviceRules:
         prefill_window (`bool`): `"auto"` may prefill the drafter in windowed chunks.
         compile_from_first_call (`bool`): `"auto"` compiles a static draft cache's step at once (else once it pays).
         device_round (`bool`): `"auto"` runs the device round: a static target cache, verification compiled.
+        coarse_verify_buckets (`bool`): the device round compiles its verification for two lengths (1 and the
+            call's longest round), not for 1, 2, 4, ... up to the longest (`static_verify.buckets`).
         compiled_catch_up (`int`): a draft block of up to this many tokens runs through a compiled one-token step,
             one token at a time, rather than one eager forward (0: never).
         round_clock (`str`): `"events"` (device events read after the acceptance) or `"host"` (synchronised).
@@ -43,6 +45,7 @@ class DeviceRules:
     prefill_window: bool
     compile_from_first_call: bool
     device_round: bool
+    coarse_verify_buckets: bool
     compiled_catch_up: int
     round_clock: str
     reasons: dict
@@ -59,6 +62,7 @@ def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32)
             prefill_window=True,
             compile_from_first_call=False,
             device_round=False,
+            coarse_verify_buckets=False,
             compiled_catch_up=0,
             round_clock="host",
             reasons={
@@ -72,6 +76,8 @@ def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32)
                 "uncompiled steps have spent what it would have saved (ski rental)",
                 "device_round": "measured on CPU, the verification eager or compiled: slower than the CPU round, "
                 "whose target keeps budgetdraft_sdpa and few-row linear layers on a GrowableCache",
+                "coarse_verify_buckets": "estimate: a CPU verification costs in proportion to its tokens, so a "
+                "round is padded to at most twice its length",
                 "compiled_catch_up": "estimate: on CPU catch-up blocks keep the block step (the lean step's, measured "
                 "cheaper than the drafter's own forward)",
                 "round_clock": "host clock: CPU work is synchronous",
@@ -85,6 +91,7 @@ def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32)
         prefill_window=False,
         compile_from_first_call=cuda,
         device_round=cuda,
+        coarse_verify_buckets=cuda,
         compiled_catch_up=4 if cuda else 0,
         round_clock="events" if cuda else "host",
         reasons={
@@ -103,6 +110,11 @@ def device_rules(device: torch.device | str, dtype: torch.dtype = torch.float32)
             "~3.3 ms of weight reads), so the round runs as compiled device work with one host read"
             if cuda
             else "estimate: no measurement on this device; transformers' loop",
+            "coarse_verify_buckets": "estimate: a verification of up to a few tens of tokens reads the same "
+            "weights as a one-token step, so padding costs little, and each length is a compilation and CUDA-graph "
+            "capture of the whole target"
+            if cuda
+            else "estimate: no measurement on this device; padded to at most twice a round's length",
             "round_clock": "CUDA events read after the acceptance's own synchronisation"
             if cuda
             else "host clock after a device synchronisation",

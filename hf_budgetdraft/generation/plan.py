@@ -192,6 +192,8 @@ class DraftPlan:
         device_round (`bool`): the call runs the device round (`device_loop.py`).
         verify_compile_config (`CompileConfig`, *optional*): how the device round's verification compiles
             (`None`: eagerly).
+        coarse_verify_buckets (`bool`): the device round verifies in two length buckets, 1 and its longest round
+            (the target's device rules; `static_verify.buckets`).
         compiled_catch_up (`int`): a draft block of up to this many tokens runs through the compiled one-token step,
             a token at a time (0: never; the device rules' choice, applied only where the step compiles).
         device_type (`str`): the drafter's device type the choices were made for (`device_rules.py`).
@@ -210,6 +212,7 @@ class DraftPlan:
     compile_config: CompileConfig | None = None
     device_round: bool = False
     verify_compile_config: CompileConfig | None = None
+    coarse_verify_buckets: bool = False
     compiled_catch_up: int = 0
     device_type: str = "cpu"
     batched: bool = False
@@ -323,6 +326,7 @@ def resolve_plan(
         compile_config=compile_config if compiled else None,
         device_round=device_round,
         verify_compile_config=verify_config,
+        coarse_verify_buckets=device_round and target_rules.coarse_verify_buckets,
         compiled_catch_up=rules.compiled_catch_up if compiled else 0,
         device_type=rules.device_type,
         batched=batched,
@@ -337,6 +341,9 @@ def resolve_plan(
             "draft_length": source,
             "device_round": round_reason,
             "compile_verify": verify_reason,
+            "coarse_verify_buckets": target_rules.reasons["coarse_verify_buckets"]
+            if device_round
+            else "transformers' loop verifies",
             "round_clock": rules.reasons["round_clock"],
             "compiled_catch_up": rules.reasons["compiled_catch_up"],
         },

@@ -4,10 +4,9 @@ verification-length bucket (gpt-fast's `model_forward` on a fixed-size cache; tr
 The cache is transformers' `StaticCache` with each sliding-window layer a rollback ring (`RingSlidingLayer`:
 transformers' static sliding layer shifts its oldest positions out and cannot take a rejected draft back).
 
-A verification of `n` tokens is padded to its bucket, so a call compiles a handful of shapes, once per process: on
-CUDA two (1 token, a plain step; and the call's longest round: a verification of up to a few tens of tokens reads
-the same weights as one, so padding costs little there, and each bucket is a compilation of the whole target),
-elsewhere 1, 2, 4, 8, ... up to the longest round; the compiled calls and the static caches are kept per target in
+A verification of `n` tokens is padded to its bucket, so a call compiles a handful of shapes, once per process: two
+(1 token, a plain step; and the call's longest round) where the device rules say so (`coarse_verify_buckets`:
+CUDA), else 1, 2, 4, 8, ... up to the longest round; the compiled calls and the static caches are kept per target in
 `model_state.py` (keyed weakly by the model; transformers keeps its own static cache on the model itself), and reused
 by every later call of the same size. The padding writes past the verified tokens into the static cache, where
 causal masking hides it and the next round overwrites it; rollback moves the cache's write index back (a ring's
@@ -52,8 +51,8 @@ def verify_compile_config(device: torch.device | str) -> CompileConfig:
 
 
 def buckets(longest: int, coarse: bool = False) -> tuple[int, ...]:
-    """Verification lengths a call compiles for: powers of two below `longest`, and `longest` itself; `coarse`
-    (CUDA): only 1 and `longest`."""
+    """Verification lengths a call compiles for: powers of two below `longest`, and `longest` itself; `coarse`:
+    only 1 and `longest`."""
     if coarse:
         return (1, longest) if longest > 1 else (1,)
     sizes, size = [], 1
@@ -167,12 +166,20 @@ class VerifyRecord:
 
 class StaticVerify:
     """The target's forward on its static cache: `prefill(ids)` eagerly in chunks, then `__call__(tokens, start)`
-    for each verification, padded to its bucket and compiled (`compile_config`, `None`: eager). A compilation that
-    fails warns once, is recorded, and the call verifies eagerly (the same computation) from then on."""
+    for each verification, padded to its bucket (`buckets(longest, coarse)`) and compiled (`compile_config`,
+    `None`: eager). A compilation that fails warns once, is recorded, and the call verifies eagerly (the same
+    computation) from then on."""
 
-    def __init__(self, target, cache: StaticCache, compile_config: CompileConfig | None, longest: int):
+    def __init__(
+        self,
+        target,
+        cache: StaticCache,
+        compile_config: CompileConfig | None,
+        longest: int,
+        coarse: bool = False,
+    ):
         self.target, self.cache = target, cache
-        self.sizes = buckets(longest, coarse=target.device.type == "cuda")
+        self.sizes = buckets(longest, coarse)
         rings = [layer.ring_size for layer in cache.layers if isinstance(layer, RingSlidingLayer)]
         self.record = VerifyRecord(
             compiled=compile_config is not None,

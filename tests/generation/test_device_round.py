@@ -3,6 +3,7 @@ verification padded to buckets and compiled (eager or counting backends here), a
 read a round. Greedy output is the target's own on the test families; graphs compile once per shape and process;
 a failed compilation falls back losslessly without poisoning later compilations."""
 
+import contextlib
 import copy
 
 import pytest
@@ -94,6 +95,27 @@ def test_the_device_round_is_a_device_rule():
     )
     with pytest.raises(ValueError, match="set device_round=True"):
         plan_for(target, drafter, cache_config={"compile_verify": True})
+
+
+def test_the_verification_buckets_are_the_targets_device_rule():
+    """CPU pads a verification to at most twice its length; CUDA's rules verify in two buckets, 1 and the call's
+    longest round (each a CUDA-graph capture of the whole target)."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    assert plan_for(target, drafter, cache_config=ROUND).coarse_verify_buckets is False
+    assert plan_for(target, drafter).reasons["coarse_verify_buckets"] == "transformers' loop verifies"
+    ids = random_prompt(120, seed=3)
+    expected = target.generate(ids, do_sample=False, max_new_tokens=40)
+    used = {}
+    for device, rules in (("cpu", contextlib.nullcontext), ("cuda", cuda_rules_on_cpu)):
+        with rules():  # adaptive draft lengths: rounds of several lengths, the longest 9 tokens
+            out, stats = speculate(
+                target, drafter, ids, cache_config={"max_draft_length": 8, "compile_verify": False}
+            )
+        assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+        assert stats.plan.coarse_verify_buckets == (device == "cuda")
+        used[device] = set(stats.runtime["verify"]["buckets"])
+    assert 9 in used["cuda"] <= {1, 9} and used["cpu"] <= {1, 2, 4, 8, 9}
+    assert used["cpu"] & {2, 4, 8}  # rounds CUDA pads to 9
 
 
 @pytest.mark.parametrize("cache", ["budgeted", "sink_window"])

@@ -32,10 +32,15 @@ def test_cpu_keeps_its_speedups_and_rents_the_compilation(dtype):
         *CPU_SPEEDUPS,
         "compile_from_first_call",
         "device_round",
+        "coarse_verify_buckets",
         "compiled_catch_up",
         "round_clock",
     }
-    assert not rules.device_round and rules.reasons["device_round"].startswith("measured")
+    assert (
+        not rules.device_round
+        and not rules.coarse_verify_buckets
+        and rules.reasons["device_round"].startswith("measured")
+    )
     assert rules.reasons["compile_from_first_call"].startswith("measured")  # the rental's prices
     assert rules.compiled_catch_up == 0
 
@@ -45,7 +50,7 @@ def test_cpu_keeps_its_speedups_and_rents_the_compilation(dtype):
 def test_cuda_drops_the_cpu_speedups_compiles_at_once_and_times_with_events(device, dtype):
     rules = device_rules(device, dtype)
     assert not any(getattr(rules, name) for name in CPU_SPEEDUPS)
-    assert rules.compile_from_first_call and rules.round_clock == "events"
+    assert rules.compile_from_first_call and rules.round_clock == "events" and rules.coarse_verify_buckets
     assert rules.reasons["compile_from_first_call"].startswith("measured")
     assert all(rules.reasons[name].startswith("estimate") for name in CPU_SPEEDUPS)
 
