@@ -26,7 +26,7 @@ from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import run_record, run_text, write_results  # noqa: E402
 
-from hf_budgetdraft.generation.windowed_assistant import window_states  # noqa: E402
+from hf_budgetdraft.generation.windowed_assistant import SinkWindowRead, read_states  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "assistant_window_cost"
 ASSISTANT = dict(
@@ -78,7 +78,10 @@ def measure(contexts: list[int], sink: int, window: int, repeats: int, steps: in
     assistant, rows = build_assistant(), []
     for context in contexts:
         states = shared_states(context)
-        variants = {"whole": states, "sink_window": window_states(states, context, sink, window)}
+        variants = {
+            "whole": states,
+            "sink_window": read_states(states, context, SinkWindowRead(sink, window)),
+        }
         times = {name: [] for name in variants}
         step_seconds(assistant, variants["whole"], context, 2)  # warm-up
         for _ in range(repeats):

@@ -377,17 +377,12 @@ def _assisted(stock, self, *args, **kwargs):
 
 
 def _windowed_assistant(stock, self, generation_config, input_ids, args, kwargs):
-    """A Gemma 4 assistant reading a sink + window of the target's full-attention states
+    """A Gemma 4 assistant reading a sink + window or a budget + window of the target's full-attention states
     (`generation/windowed_assistant.py`): transformers' loop, its generator built in `_get_candidate_generator`."""
-    name = generation_config.cache_implementation
-    if name != "sink_window":
-        raise ValueError(
-            f"a Gemma 4 assistant drafts from the target's own keys/values; it supports "
-            f"cache_implementation='sink_window' (a sink + window of them), got {name!r}: a budgeted read of them is "
-            "not implemented"
-        )
     # its keys, checked before any forward
-    WindowedSpec.from_cache_config("assistant", generation_config.cache_config)
+    WindowedSpec.from_cache_config(
+        f"assistant_{generation_config.cache_implementation}", generation_config.cache_config
+    )
     if not type(self).__name__.startswith(("Gemma4", "Gemma3n")):
         raise ValueError(
             f"a Gemma 4 assistant drafts from the shared_kv_states of a Gemma 4 or Gemma 3n target, got "
@@ -397,7 +392,8 @@ def _windowed_assistant(stock, self, generation_config, input_ids, args, kwargs)
     padded = mask is not None and not bool(mask.all())
     if input_ids.shape[0] > 1 or padded:
         raise ValueError(
-            f"a windowed Gemma 4 assistant drafts one unpadded sequence at a time (transformers' assistant loop "
+            f"a Gemma 4 assistant on cache_implementation={generation_config.cache_implementation!r} drafts one "
+            "unpadded sequence at a time (transformers' assistant loop "
             f"does), got {input_ids.shape[0]} rows{' with padding' if padded else ''}; generate the rows one by one"
         )
     return _every_token_stops(stock, self, input_ids, args, kwargs)

@@ -1,8 +1,8 @@
 """One parser of `generate(cache_config=...)` for every kind of draft, with the same checks and messages.
 
 - a drafter (`assistant_model=`): `DraftSpec.from_cache_config` (`spec.py`) checks its keys here;
-- the model's own MTP head (`use_mtp=True`), a DFlash drafter (`speculation_type="dflash"`) and a Gemma 4 assistant:
-  `WindowedSpec`, the windowed cache's options plus the run options that kind takes (MTP: `draft_length`,
+- the model's own MTP head (`use_mtp=True`), a DFlash drafter (`speculation_type="dflash"`) and a Gemma 4 assistant
+  (per cache name): `WindowedSpec`, the cache's options plus the run options that kind takes (MTP: `draft_length`,
   `fast_verify`).
 
 Nothing past these reads the raw dict.
@@ -17,7 +17,12 @@ KINDS = {
     # kind -> (what the messages call it, cache options, run options)
     "mtp": ("windowed MTP", (*WINDOW_OPTIONS, "static"), ("draft_length", "fast_verify")),
     "dflash": ("windowed DFlash", WINDOW_OPTIONS, ()),
-    "assistant": ("a windowed Gemma 4 assistant", ("num_sink_tokens", "window_length"), ()),
+    "assistant_sink_window": ("a windowed Gemma 4 assistant", ("num_sink_tokens", "window_length"), ()),
+    "assistant_budgeted": (
+        "a budgeted Gemma 4 assistant",
+        ("budget", "policy", "policy_kwargs", "window_length"),
+        (),
+    ),
 }
 
 
@@ -37,7 +42,7 @@ def check_bool(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class WindowedSpec:
-    """A windowed built-in draft: `kind` (`"mtp"`, `"dflash"` or `"assistant"`), the windowed cache's options as given
+    """A windowed built-in draft: `kind` (one of `KINDS`), the cache's options as given
     (`cache_options`, checked by the cache class itself), and the run options.
 
     Args:

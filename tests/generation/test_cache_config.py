@@ -1,5 +1,5 @@
-"""One parser of `cache_config` for every kind of draft: the same checks and messages for a drafter, an MTP head
-and a DFlash drafter, and the run options split from the cache's."""
+"""One parser of `cache_config` for every kind of draft: the same checks and messages for a drafter, an MTP head,
+a DFlash drafter and a Gemma 4 assistant, and the run options split from the cache's."""
 
 import pytest
 
@@ -13,8 +13,16 @@ from hf_budgetdraft.generation.spec import DraftSpec
         (lambda config: DraftSpec.from_cache_config("budgeted", config), "cache_implementation='budgeted'"),
         (lambda config: WindowedSpec.from_cache_config("mtp", config), "windowed MTP"),
         (lambda config: WindowedSpec.from_cache_config("dflash", config), "windowed DFlash"),
+        (
+            lambda config: WindowedSpec.from_cache_config("assistant_sink_window", config),
+            "a windowed Gemma 4 assistant",
+        ),
+        (
+            lambda config: WindowedSpec.from_cache_config("assistant_budgeted", config),
+            "a budgeted Gemma 4 assistant",
+        ),
     ],
-    ids=["drafter", "mtp", "dflash"],
+    ids=["drafter", "mtp", "dflash", "assistant_sink_window", "assistant_budgeted"],
 )
 def test_every_kind_refuses_unknown_keys_the_same_way(parse, what):
     with pytest.raises(
