@@ -7,6 +7,7 @@ import torch
 from torch_support import needs_traceable_transformers
 
 from hf_budgetdraft.cli import main
+from hf_budgetdraft.commands import generate as generate_module
 
 
 def _field(pattern: str, out: str) -> float:
@@ -52,6 +53,32 @@ def test_generate_random_models(cache, capsys):
         "--num_sink_tokens", "4",
         "--budget", "64",
     )  # fmt: skip
+
+
+def test_generate_on_an_accelerator_warms_up_and_compares_with_the_compiled_static_ar(capsys, monkeypatch):
+    """On an accelerator the one-liner and transformers' static-cache AR compile on their first call: each is run
+    once untimed at the timed run's shapes, and the static AR is a baseline (an accelerator faked here: on the CPU
+    transformers runs the static cache eagerly)."""
+    timed, calls = generate_module.timed_generate, []
+
+    def recorded(model, ids, new_tokens, **kwargs):
+        calls.append((new_tokens, kwargs.get("cache_implementation"), "assistant_model" in kwargs))
+        return timed(model, ids, new_tokens, **kwargs)
+
+    monkeypatch.setattr(generate_module, "compiles_on_first_call", lambda device: True)
+    monkeypatch.setattr(generate_module, "timed_generate", recorded)
+    out = assert_generate_is_lossless(
+        capsys,
+        "--random_models",
+        "--context_length", "300",
+        "--max_new_tokens", "6",
+        "--budget", "64",
+        "--window_length", "64",
+    )  # fmt: skip
+    assert "warming up: the one-liner compiles on its first call" in out
+    assert re.search(r"vs static AR \(transformers' compiled fast path\): .* end to end \d", out)
+    one_liner, stock, fast, static = (6, None, True), (6, None, False), (6, None, False), (6, "static", False)
+    assert calls == [one_liner, stock, fast, static, static, one_liner]  # warm-ups first, untimed
 
 
 def test_no_command_prints_the_usage():

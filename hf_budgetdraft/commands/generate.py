@@ -1,7 +1,8 @@
 """`hf-budgetdraft generate`: speculative generation with a sparse draft cache, checked token for token against
-the target's own greedy output and timed against two plain-AR baselines (the target as loaded, and the package's
-fast AR) with `hf_budgetdraft.runs.timed_call.timed_generate`. Several prompts (`--prompt_files`, `--batch_size`) run
-as one left-padded batch: batched AR, then the batched one-liner, per-row greedy diffs."""
+the target's own greedy output and timed against plain-AR baselines (the target as loaded, the package's fast AR,
+and on an accelerator transformers' compiled static-cache AR) with `hf_budgetdraft.runs.timed_call.timed_generate`.
+Several prompts (`--prompt_files`, `--batch_size`) run as one left-padded batch: batched AR, then the batched
+one-liner, per-row greedy diffs."""
 
 from __future__ import annotations
 
@@ -301,20 +302,28 @@ def generate_command(args: GenerateArguments) -> int:
     spec = args.draft_spec() if args.cache != "full" else None
     # a sparse cache: the spec decides the draft length; --cache full: stock assisted generation's fixed γ
     configure_drafter(drafter, None if spec is not None else FULL_CACHE_GAMMA)
-    if spec is not None and spec.compile is True:
-        print("compiling the draft step (one untimed warm-up run)", flush=True)
+    accelerated = compiles_on_first_call(target.device)
+    if spec is not None and (spec.compile is True or accelerated):
+        print("warming up: the one-liner compiles on its first call (one untimed run)", flush=True)
         timed_generate(
             target,
             ids,
-            min(args.max_new_tokens, 16),
+            args.max_new_tokens if accelerated else min(args.max_new_tokens, 16),  # the timed run's shapes
             spec=spec,
             sampling=args.sampling(),
             assistant_model=drafter,
             **_threshold(args),
             **translated,
         )
-    runs = _generate_runs(args, target, drafter, ids, spec, tokenizer, translated)
-    return _report_generate(args, target, tokenizer, ids, *runs)
+    baselines = _ar_runs(args, target, ids, accelerated)
+    spec_run = _speculative_run(args, target, drafter, ids, spec, tokenizer, translated)
+    return _report_generate(args, target, tokenizer, ids, baselines, spec_run)
+
+
+def compiles_on_first_call(device: torch.device) -> bool:
+    """Whether the one-liner and transformers' static-cache AR compile on their first call on `device` (an
+    accelerator: CUDA graphs), so the command warms both up and compares with the compiled AR as well."""
+    return device.type != "cpu"
 
 
 def _models(args: GenerateArguments):
@@ -339,7 +348,28 @@ def _bundled_pair(args: GenerateArguments):
     return demo.target, demo.drafter_for(args.do_sample), demo.tokenizer
 
 
-def _generate_runs(
+AR_BASELINES = {"stock AR": None, "fast AR": "fast", "static AR (transformers' compiled fast path)": "static"}
+
+
+def _ar_runs(
+    args: GenerateArguments, target, ids: torch.LongTensor, accelerated: bool
+) -> dict[str, RunResult]:
+    """The plain-AR runs of the prompt by name (`AR_BASELINES`), seeded alike; "stock AR" first (the greedy
+    reference). On an accelerator also transformers' static-cache AR, compiled by an untimed run first."""
+    length, sampling = args.max_new_tokens, args.sampling()
+    ids = ids.to(target.device)
+    runs = {}
+    for name, setup in AR_BASELINES.items():
+        if setup == "static" and not accelerated:
+            continue
+        with ar_setup(target, setup, ids.shape[1] + length) as kwargs:
+            if setup == "static":
+                timed_generate(target, ids, length, sampling=sampling, seed=args.seed, **kwargs)
+            runs[name] = timed_generate(target, ids, length, sampling=sampling, seed=args.seed, **kwargs)
+    return runs
+
+
+def _speculative_run(
     args: GenerateArguments,
     target,
     drafter,
@@ -347,37 +377,30 @@ def _generate_runs(
     spec: DraftSpec | None,
     tokenizer,
     translated: dict,
-) -> list[RunResult]:
-    """`[stock AR, fast AR, speculative]` runs of the same prompt; sampled runs are seeded alike. The speculative
-    run's text streams to stdout as it is produced (token ids without a tokenizer come in the summary);
-    `translated`: the two tokenizers of a drafter with its own."""
+) -> RunResult:
+    """The speculative run, seeded as the AR runs; its text streams to stdout as it is produced (token ids
+    without a tokenizer come in the summary); `translated`: the two tokenizers of a drafter with its own."""
     length, sampling = args.max_new_tokens, args.sampling()
     ids = ids.to(target.device)
-    runs = []
-    for setup in (None, "fast"):
-        with ar_setup(target, setup, ids.shape[1] + length) as kwargs:
-            runs.append(timed_generate(target, ids, length, sampling=sampling, seed=args.seed, **kwargs))
     streamer = TextStreamer(tokenizer) if tokenizer is not None else None
     if streamer is not None:
         print("--- generated (the one-liner, streamed) ---", flush=True)
-    runs.append(
-        timed_generate(
-            target,
-            ids,
-            length,
-            spec=spec,
-            sampling=sampling,
-            seed=args.seed,
-            assistant_model=drafter,
-            on_chunk=(lambda chunk, _: streamer.put(torch.tensor(chunk))) if streamer is not None else None,
-            **_threshold(args),
-            **translated,
-        )
+    run = timed_generate(
+        target,
+        ids,
+        length,
+        spec=spec,
+        sampling=sampling,
+        seed=args.seed,
+        assistant_model=drafter,
+        on_chunk=(lambda chunk, _: streamer.put(torch.tensor(chunk))) if streamer is not None else None,
+        **_threshold(args),
+        **translated,
     )
     if streamer is not None:
         streamer.end()
         print("---", flush=True)
-    return runs
+    return run
 
 
 def _threshold(args: GenerateArguments) -> dict:
@@ -387,9 +410,9 @@ def _threshold(args: GenerateArguments) -> dict:
 
 
 def _report_generate(
-    args: GenerateArguments, target, tokenizer, ids: torch.LongTensor, ar, fast_ar, spec
+    args: GenerateArguments, target, tokenizer, ids: torch.LongTensor, baselines: dict[str, RunResult], spec
 ) -> int:
-    new, stats = spec.new_ids, spec.stats
+    new, stats, ar = spec.new_ids, spec.stats, baselines["stock AR"]
     plan = stats.plan
     print(f"prompt tokens: {ids.shape[1]}  new tokens: {new.numel()}  draft cache: {args.cache}")
     if plan is not None:
@@ -414,7 +437,7 @@ def _report_generate(
         f"target prefill {ar.first_token_seconds:.2f} s (stock AR), {spec.first_token_seconds:.2f} s (the one-liner, "
         "with the drafter's); the ratios below: end to end, then decoding alone"
     )
-    for name, baseline in (("stock AR", ar), ("fast AR", fast_ar)):
+    for name, baseline in baselines.items():
         decode = baseline.decode_tokens_per_second, spec.decode_tokens_per_second
         decode_text = f"; decode {decode[1] / decode[0]:.2f}x ({decode[1]:.1f} vs {decode[0]:.1f} tok/s)"
         print(

@@ -35,7 +35,7 @@ from ..generation.spec import DraftSpec
 from ..generation.stats import SpeculationStats, record_speculation
 
 # plain-AR baselines besides the target as loaded (see `ar_setup`)
-AR_SETUPS = ("stock", "growable", "fast")
+AR_SETUPS = ("stock", "growable", "fast", "static")
 
 
 class ChunkTimer(BaseStreamer):
@@ -203,13 +203,17 @@ def ar_setup(target, setup: str | None, capacity: int) -> Iterator[dict]:
     `setup=None`: the target as loaded, on transformers' default cache (the reference every speculative call must
     reproduce); `"stock"`: transformers' own `sdpa` attention (restored after); `"growable"`: a `GrowableCache` of
     `capacity` tokens (in-place appends); `"fast"`: both `budgetdraft_sdpa` and a `GrowableCache`, the fastest plain
-    AR this package has (with few-row linear layers for a float32 target on CPU, `cpu/few_row_linear.py`).
+    AR this package has (with few-row linear layers for a float32 target on CPU, `cpu/few_row_linear.py`);
+    `"static"`: transformers' `StaticCache` (`cache_implementation="static"`), which transformers' `generate()`
+    compiles on an accelerator (its fast path there; eager on CPU).
     """
     if setup is not None and setup not in AR_SETUPS:
         raise ValueError(f"setup must be None or one of {AR_SETUPS}, got {setup!r}")
     kwargs = {}
     if setup in ("growable", "fast"):
         kwargs[CACHE_KWARG] = GrowableCache(config=target.config, initial_capacity=capacity)
+    if setup == "static":
+        kwargs["cache_implementation"] = "static"
     with (
         using_attention(target, {"stock": "sdpa", "fast": FAST_SDPA}.get(setup)),
         few_row_linears(target, setup == "fast"),
