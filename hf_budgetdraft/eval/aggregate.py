@@ -32,8 +32,8 @@ CELL_KEYS = (
     "gamma",
 )
 FIT_KEYS = ("target", "drafter", "method", "name", "cache", "policy", "budget", "context_length")
-# paired per-repeat ratios summarised as a median with a bootstrap interval (`*_stock` / `*_growable`: over the
-# stock-sdpa AR and the GrowableCache AR baselines, present when those baselines ran)
+# paired per-repeat ratios summarised as a median with a bootstrap interval (`*_stock` / `*_growable` / `*_fast` /
+# `*_static`: over those AR baselines, present when they ran)
 SPEEDUP_KEYS = (
     "speedup_vs_ar",
     "decode_speedup_vs_ar",
@@ -44,6 +44,8 @@ SPEEDUP_KEYS = (
     "decode_speedup_vs_ar_growable",
     "speedup_vs_ar_fast",
     "decode_speedup_vs_ar_fast",
+    "speedup_vs_ar_static",
+    "decode_speedup_vs_ar_static",
 )
 
 

@@ -32,6 +32,7 @@ BENCH_METHODS = (
     "ar_stock",
     "ar_growable",
     "ar_fast",
+    "ar_static",
 )
 MAX_RUNS = 200_000  # bound on the generate() calls one bench may schedule
 MAX_NEW_TOKENS = 4096
@@ -144,8 +145,9 @@ class _GridFlags:
         default=None,
         metadata={
             "help": f"Methods among {list(BENCH_METHODS)}. Plain AR (the reference) always runs; ar_stock = AR with "
-            "stock sdpa attention, ar_growable = AR on the fast GrowableCache: the baselines of the extra speed-up "
-            "columns."
+            "stock sdpa attention, ar_growable = AR on the fast GrowableCache, ar_fast = both, ar_static = "
+            "transformers' static cache (compiled by transformers on an accelerator): the baselines of the extra "
+            "speed-up columns."
         },
     )
     gammas: list[int] | None = field(
@@ -173,7 +175,13 @@ class _GridFlags:
 class _RunFlags:
     """How the runs are made and reported."""
 
-    warmup: bool = field(default=True, metadata={"help": "One untimed run of every method before timing."})
+    warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "One untimed run of every method before timing (on an accelerator one per prompt length: "
+            "what compiles there compiles per shape)."
+        },
+    )
     threads: int | None = field(
         default=None, metadata={"help": "torch threads, set explicitly and recorded (smoke: 1, demo: 2)."}
     )
@@ -330,7 +338,8 @@ class BenchArguments(_RunFlags, _GridFlags, _SourceFlags):
             raise ValueError(f"--target/--drafter/--base_drafter are for --preset full, not {self.preset!r}")
         if self.data_files and self.dataset_name:
             raise ValueError("pass --data_files or --dataset_name, not both")
-        runs = self.num_runs(num_specs=self.max_specs())
+        # the most the warm-up may run: every cell's prompt on an accelerator
+        runs = self.num_runs(self.max_specs(), warm_prompts=self.num_cells if self.device != "cpu" else 1)
         if runs > MAX_RUNS:
             raise ValueError(
                 f"this grid schedules {runs} generate() calls (> {MAX_RUNS}); shrink --contexts/--budgets/--gammas/"
@@ -347,9 +356,14 @@ class BenchArguments(_RunFlags, _GridFlags, _SourceFlags):
         mtp = (2 + len(self.budgets)) if "mtp" in self.methods else 0
         return 3 + oneliner + 2 * per_gamma * len(self.gammas) + mtp
 
-    def num_runs(self, num_specs: int) -> int:
-        cells = len(self.contexts) * len(self.tasks) * self.samples
-        return cells * self.repeats * num_specs + self.warmup * num_specs
+    @property
+    def num_cells(self) -> int:
+        """Prompts timed: contexts x tasks x samples."""
+        return len(self.contexts) * len(self.tasks) * self.samples
+
+    def num_runs(self, num_specs: int, warm_prompts: int = 1) -> int:
+        """`generate()` calls of a bench of `num_specs` methods, the warm-up's over `warm_prompts` prompts."""
+        return self.num_cells * self.repeats * num_specs + self.warmup * warm_prompts * num_specs
 
 
 def _bounded(name: str, values: list[int], low: int, high: int) -> None:

@@ -171,6 +171,18 @@ def build_cells(
     return cells
 
 
+def _warm_prompts(cells: list[tuple[TaskSample, int]], device: str) -> list[torch.Tensor]:
+    """The prompts the warm-up runs every method on: the first cell's on the CPU; on an accelerator one of each
+    prompt length, since what compiles there (transformers' static cache, the one-liner's device round) compiles
+    per shape, which would otherwise land in a cell's first timed repeat."""
+    prompts = [sample.input_ids for sample, _ in cells[:1]]
+    if device != "cpu":
+        prompts = list(
+            {sample.input_ids.shape[1]: sample.input_ids for sample, _ in reversed(cells)}.values()
+        )
+    return [ids.to(device) for ids in prompts]
+
+
 def _run_grid(
     args: BenchArguments, models: BenchModels, specs: list[MethodSpec], cells: list[tuple[TaskSample, int]]
 ) -> tuple[list[dict], list[dict]]:
@@ -178,7 +190,8 @@ def _run_grid(
     from tqdm.auto import tqdm
 
     records, envelope = [], []
-    total = args.num_runs(len(specs)) if cells else 0
+    warm_prompts = _warm_prompts(cells, args.device) if args.warmup else []
+    total = args.num_runs(len(specs), len(warm_prompts)) if cells else 0
     common = dict(
         targets=models.targets,
         drafters=models.drafters,
@@ -192,10 +205,9 @@ def _run_grid(
         drafter_tokenizers=models.drafter_tokenizers,
     )
     with tqdm(total=total, desc="bench", unit="run", disable=not args.progress, file=sys.stderr) as bar:
-        if args.warmup and cells:
-            warm_ids = cells[0][0].input_ids.to(args.device)
+        for warm_ids in warm_prompts:
             for spec in specs:
-                bar.set_postfix_str(f"warm-up {spec.label}", refresh=False)
+                bar.set_postfix_str(f"warm-up L={warm_ids.shape[1]} {spec.label}", refresh=False)
                 run_method(spec, input_ids=warm_ids, **common)
                 bar.update()
         for sample, index in cells:

@@ -262,6 +262,7 @@ _SPEED_COLUMNS = (
     ("decode vs stock AR [95% CI]", "decode_speedup_vs_ar_stock"),
     ("decode vs AR+Growable [95% CI]", "decode_speedup_vs_ar_growable"),
     ("decode vs fast AR [95% CI]", "decode_speedup_vs_ar_fast"),
+    ("decode vs static AR [95% CI]", "decode_speedup_vs_ar_static"),
     ("vs native [95% CI]", "speedup_vs_native"),
 )
 

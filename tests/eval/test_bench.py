@@ -100,6 +100,7 @@ def test_smoke_records_schema(smoke):
         "mtp_windowed",
         "ar_stock",
         "ar_growable",
+        "ar_static",
     } <= names
     assert results["metadata"]["threads"] == 1
     with open(out / "results.csv") as handle:
@@ -153,6 +154,7 @@ def test_smoke_measurements_are_plausible(smoke):
     for r in records:
         if r["target"] == "target":
             assert r["speedup_vs_ar_stock"] > 0 and r["decode_speedup_vs_ar_growable"] > 0
+            assert r["decode_speedup_vs_ar_static"] > 0
     assert all(r["speedup_vs_ar_stock"] == 1.0 for r in records if r["name"] == "ar_stock")
     # speculative runs were instrumented: rounds, phase times within the wall time
     for r in records:
@@ -397,7 +399,9 @@ def test_target_attention_implementation_is_applied_to_the_targets_only(tmp_path
     assert all(m.config._attn_implementation != "budgetdraft_sdpa" for m in models.drafters.values())
 
 
-def test_ar_baselines_run_stock_sdpa_or_the_growable_cache_and_restore_the_target(tmp_path, monkeypatch):
+def test_ar_baselines_run_stock_sdpa_the_growable_or_the_static_cache_and_restore_the_target(
+    tmp_path, monkeypatch
+):
     args = BenchArguments(
         preset="smoke", output_dir=str(tmp_path), target_attn_implementation="budgetdraft_sdpa"
     )
@@ -406,19 +410,36 @@ def test_ar_baselines_run_stock_sdpa_or_the_growable_cache_and_restore_the_targe
     generate = type(target).generate
 
     def spy(self, *positional, **kwargs):
-        seen.append((self.config._attn_implementation, type(kwargs.get("cache")).__name__))
+        cache = kwargs.get("cache_implementation") or type(kwargs.get("cache")).__name__
+        seen.append((self.config._attn_implementation, cache))
         return generate(self, *positional, **kwargs)
 
     monkeypatch.setattr(type(target), "generate", spy)
     ids = torch.randint(3, target.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    runs = {setup: run_ar(target, ids, 6, setup) for setup in (None, "stock", "growable")}
+    runs = {setup: run_ar(target, ids, 6, setup) for setup in (None, "stock", "growable", "static")}
     assert seen == [
         ("budgetdraft_sdpa", "NoneType"),
         ("sdpa", "NoneType"),
         ("budgetdraft_sdpa", "GrowableCache"),
+        ("budgetdraft_sdpa", "static"),
     ]
     assert target.config._attn_implementation == "budgetdraft_sdpa"  # restored after the stock run
     assert all(torch.equal(run.new_ids, runs[None].new_ids) for run in runs.values())
+
+
+def test_the_warm_up_covers_every_prompt_length_where_compiles_are_per_shape():
+    """On the CPU one prompt warms every method up; on an accelerator (the meta device stands in) one of each
+    length, so no cell's first timed repeat compiles."""
+    samples = [
+        type("Sample", (), {"input_ids": torch.zeros(1, n, dtype=torch.long)})() for n in (8, 16, 8, 32)
+    ]
+    cells = [(sample, index) for index, sample in enumerate(samples)]
+    assert [ids.shape[1] for ids in bench._warm_prompts(cells, "cpu")] == [8]
+    warm = bench._warm_prompts(cells, "meta")
+    assert sorted(ids.shape[1] for ids in warm) == [8, 16, 32] and {ids.device.type for ids in warm} == {
+        "meta"
+    }
+    assert bench._warm_prompts([], "meta") == bench._warm_prompts([], "cpu") == []
 
 
 def _pooled(label, method, context, **fields):
