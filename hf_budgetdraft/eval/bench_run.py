@@ -175,12 +175,10 @@ def _warm_prompts(cells: list[tuple[TaskSample, int]], device: str) -> list[torc
     """The prompts the warm-up runs every method on: the first cell's on the CPU; on an accelerator one of each
     prompt length, since what compiles there (transformers' static cache, the one-liner's device round) compiles
     per shape, which would otherwise land in a cell's first timed repeat."""
-    prompts = [sample.input_ids for sample, _ in cells[:1]]
-    if device != "cpu":
-        prompts = list(
-            {sample.input_ids.shape[1]: sample.input_ids for sample, _ in reversed(cells)}.values()
-        )
-    return [ids.to(device) for ids in prompts]
+    by_length: dict[int, torch.Tensor] = {}
+    for sample, _ in cells if device != "cpu" else cells[:1]:
+        by_length.setdefault(sample.input_ids.shape[1], sample.input_ids)
+    return [ids.to(device) for ids in by_length.values()]
 
 
 def _run_grid(

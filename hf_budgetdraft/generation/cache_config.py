@@ -42,8 +42,8 @@ def check_bool(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class WindowedSpec:
-    """A windowed built-in draft: `kind` (one of `KINDS`), the cache's options as given
-    (`cache_options`, checked by the cache class itself), and the run options.
+    """A windowed built-in draft: `kind` (one of `KINDS`), the cache's options as given (`cache_options`, checked
+    by the cache class, or the assistant's read, itself), and the run options.
 
     Args:
         draft_length (`int` or `str`): MTP: `"adaptive"` (default), the head's depth, or 0 (`draft_length.for_mtp`).
