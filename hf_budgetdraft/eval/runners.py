@@ -48,8 +48,8 @@ class MethodSpec:
         gamma (`int`): draft tokens per round (MTP: the number of MTP layers; AR: 0).
         target (`str`): which target model runs (`"target"`, or `"mtp"` for the MTP model).
         drafter (`str`, *optional*): which drafter (assisted only).
-        ar_setup (`str`, *optional*): AR only: `stock` (sdpa attention) or `growable` (the fast target cache); `None`
-            = the target as loaded on transformers' default cache, the reference every run is compared with.
+        ar_setup (`str`, *optional*): AR only: one of `AR_SETUPS` (`hf_budgetdraft.runs.timed_call.ar_setup`);
+            `None` = the target as loaded on transformers' default cache, the reference every run is compared with.
         compiled (`bool`): sparse assisted runs only: the draft cache is static (`cache_config={"static": True}`;
             the drafter must run `budgetdraft_varlen` attention) and its one-token step is `torch.compile`d.
         defaults (`bool`): sparse assisted runs only: the README's one-liner, `generate(ids, assistant_model=drafter,
@@ -175,7 +175,8 @@ def run_ar(
 
     `setup="stock"` runs it with transformers' own `sdpa` attention (whatever the target was set to, restored
     after); `setup="growable"` on a `GrowableCache` sized for the call (in-place appends); `setup="fast"` both the
-    package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has); see
+    package's `budgetdraft_sdpa` attention and a `GrowableCache` (the fastest plain AR this package has);
+    `setup="static"` on transformers' `StaticCache` (compiled by transformers on an accelerator); see
     `hf_budgetdraft.runs.timed_call.ar_setup`."""
     with ar_setup(target, setup, input_ids.shape[1] + new_tokens) as kwargs:
         return timed_generate(target, input_ids, new_tokens, sampling=sampling, **kwargs)
