@@ -21,7 +21,6 @@ second busy process on 2 cores stalls torch's threads.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from hf_budgetdraft.eval.batched_bench import batched_grid, grid_markdown, summa
 from hf_budgetdraft.runs.batch_call import BATCH_METHODS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -96,15 +95,13 @@ def run_part(name: str, demo, stream: torch.LongTensor, threads: int, text_name:
         "seconds": time.perf_counter() - began,
     }
     stem = f"batched_{name}" + ("" if text_name == "mixed" else f"_{text_name}")
-    (RESULTS / f"{stem}.json").write_text(
-        json.dumps({"meta": meta, "summary": rows, "records": records}, indent=1)
-    )
     title = (
         f"Batched decoding, {name}: bundled pair, held-out text ({text_name}), {threads} threads, {new_tokens} new tokens a row, "
         f"{repeats} interleaved repeat(s){', sampling T=0.8' if sampling else ', greedy'}; {run_text(meta)}"
     )
-    (RESULTS / f"{stem}.md").write_text(grid_markdown(rows, title))
-    print(grid_markdown(rows, title), flush=True)
+    write_results(
+        RESULTS / stem, {"meta": meta, "summary": rows, "records": records}, grid_markdown(rows, title)
+    )
 
 
 def main() -> None:

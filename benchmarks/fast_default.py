@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import copy
 import functools
-import json
 import random
 import statistics
 import sys
@@ -66,7 +65,7 @@ from hf_budgetdraft.eval.batched_bench import interval_text, number_text
 from hf_budgetdraft.eval.runners import run_ar, run_assisted, run_mtp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -379,13 +378,7 @@ def main() -> None:
         "passages": args.passages,
         "fresh_process_call_seconds": compile_seconds,
     }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "records": records}, indent=1)
-    )
-    out.with_suffix(".md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    write_results(Path(args.out), {"meta": meta, "rows": rows, "records": records}, markdown(rows, meta))
 
 
 def passage_offsets(length: int, context: int, new_tokens: int, passages: int) -> list[int]:

@@ -48,7 +48,7 @@ def write_results(stem: Path, result: dict, table: str, echo: bool = True) -> No
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(table.rstrip("\n") + "\n")
     if echo:
-        print(table.rstrip("\n"))
+        print(table.rstrip("\n"), flush=True)
 
 
 def run_text(meta: dict) -> str:

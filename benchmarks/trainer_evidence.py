@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -35,7 +34,7 @@ from hf_budgetdraft.trainer import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import run_record, run_text  # noqa: E402
+from provenance import run_record, run_text, write_results  # noqa: E402
 
 
 def first_layers(target, num_layers: int):
@@ -284,7 +283,6 @@ def main() -> None:
         "seconds": time.perf_counter() - started,
         **run_record(args.threads),
     }
-    (args.output_dir / "trainer_evidence.json").write_text(json.dumps(record, indent=2))
     summary = (
         f"Pair: {pair}. Training: {args.steps} steps, prefix {prefix} + continuation {args.continuation}, budgets "
         f"{args.budgets} (weights 0.4/0.3/0.3), policy {args.policy}, {args.views_per_step} views/step, lr "
@@ -294,8 +292,7 @@ def main() -> None:
         f"{args.new_tokens} new tokens, greedy. {args.threads} threads, {run_text(record)}."
     )
     text = summary + "\n\n" + "\n".join(agreement_table) + "\n\n" + "\n".join(accept_table) + "\n"
-    (args.output_dir / "trainer_evidence.md").write_text(text)
-    print(text)
+    write_results(args.output_dir / "trainer_evidence", record, text)
 
 
 if __name__ == "__main__":
