@@ -47,6 +47,9 @@ class DraftLayer(CacheLayerMixin):
     def _clear_host_state(self) -> None:
         self.known_length: int | None = 0  # the logical length L on the host
         self.prefix_length: int | None = None  # the prompt's length, set by the prefill
+        # whether the prefill ran: what a compiled step reads (a guard on `prefix_length` would recompile the step
+        # for every prompt length)
+        self.prefilled = False
         self.kept_positions = None  # (B, H, n) prompt positions in the static slots
         self.num_kept = 0  # n
         self.floor, self.floor_reason = 0, ""
@@ -83,7 +86,7 @@ class DraftLayer(CacheLayerMixin):
 
     def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         length, ring_start = key_states.shape[-2], self.selection.ring_start(key_states.shape[-2])
-        self.prefix_length = length
+        self.prefix_length, self.prefilled = length, True
         self.floor, self.floor_reason = self.selection.floor(length), PROMPT_FLOOR
         self._restart_ring(ring_start)
         self._set_length(length)

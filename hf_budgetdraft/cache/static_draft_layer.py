@@ -99,7 +99,7 @@ class StaticDraftLayer(DraftLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
     def _is_step(self, tokens: int) -> bool:
-        return tokens <= self.slack and self.prefix_length is not None
+        return tokens <= self.slack and self.prefilled
 
     def _step(self, key_states: torch.Tensor, value_states: torch.Tensor, attention_kwargs: dict | None):
         if self._awaiting_attention:

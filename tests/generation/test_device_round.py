@@ -219,6 +219,28 @@ def test_the_compiled_draft_step_compiles_once_across_rounds(fresh_dynamo):
     assert record["eager_calls"] == 0 and record["compiled_calls"] > stats.rounds
 
 
+@needs_traceable_transformers
+@pytest.mark.parametrize("cache", ["budgeted", "sink_window"])
+def test_the_compiled_draft_step_compiles_once_across_prompt_lengths(cache, fresh_dynamo):
+    """The static draft cache's step reads whether the prompt was prefilled, not its length: a guard on the length
+    compiled the step again for every prompt length, until dynamo's recompile limit stopped it."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    backend, graphs = graph_counter()
+    drafter.generation_config.compile_config = CompileConfig(
+        backend=backend, fullgraph=True, dynamic=False, mode=None
+    )
+    records = []
+    for length in (120, 151, 187):
+        ids = random_prompt(length, seed=length)
+        expected = target.generate(ids, do_sample=False, max_new_tokens=20)
+        config = {"draft_length": 3, "lean_step": False, "compile_verify": False}
+        out, stats = speculate(target, drafter, ids, cache, cache_config=config, max_new_tokens=20)
+        assert torch.equal(out, expected) and stats.runtime["loop"] == "device_round"
+        records.append(stats.runtime["draft_step"])
+    assert len(graphs) == 1 and [r["graphs_compiled"] for r in records] == [1, 0, 0]
+    assert all(r["compiled_calls"] > 0 and r["eager_calls"] == r["recompiles"] == 0 for r in records)
+
+
 def test_a_confidence_threshold_keeps_transformers_loop():
     """The device round drafts without reading the device; a threshold that ends a draft early needs a read a step,
     so such a call runs transformers' loop (asked explicitly, it is refused)."""
