@@ -34,6 +34,7 @@ from ..cache.ragged_draft import RaggedDraftCache
 from ..compat import CACHE_KWARG, cache_kwargs
 from . import draft_prefix
 from .acceptance import accept_round
+from .compile_lock import COMPILE_LOCK
 from .draft_length import FixedDraftLength, SharedDraftLength, for_rows
 from .model_inputs import uncarried_inputs
 from .plan import DraftPlan
@@ -100,6 +101,7 @@ class BatchedSpeculation:
                 self.draft_cache = self.plan.spec.build_ragged_cache(self.drafter.config, batch, capacity)
 
     # -- forwards ------------------------------------------------------------------------------------------------
+    @COMPILE_LOCK.shared()
     def _prefill(
         self,
         model,
@@ -167,6 +169,7 @@ class BatchedSpeculation:
             earlier.append(same if equal else None)
         return earlier
 
+    @COMPILE_LOCK.shared()
     def _step(
         self, model, cache: RaggedCache, tokens: torch.Tensor, needed: torch.Tensor | None = None
     ) -> torch.Tensor:

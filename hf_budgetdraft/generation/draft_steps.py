@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
 from dataclasses import dataclass
 
@@ -27,12 +26,12 @@ from ..cache import BudgetedCache, SparseDraftCache
 from ..compat import cache_kwargs
 from ..cpu import LeanDraftStep, same_logits
 from . import draft_prefix, drafter_media
+from .compile_lock import COMPILE_LOCK
 from .compiled_call import compiled_call, module_guards_dropped
 from .compiled_step import compiling_again_failed, cuda_graph_skips_so_far, dynamo_graphs_so_far
 from .draft_length.clock import synchronize
 
 logger = logging.get_logger(__name__)
-_first_compiled_call = threading.Lock()
 
 
 class ForwardStep:
@@ -43,6 +42,7 @@ class ForwardStep:
     def __init__(self, model, cache, capture_queries: bool = False):
         self.model, self.cache, self.capture_queries = model, cache, capture_queries
 
+    @COMPILE_LOCK.shared()
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
         with query_capture(self.model) if self.capture_queries else contextlib.nullcontext():
             out = self.model(
@@ -59,12 +59,13 @@ class ForwardStep:
 
 class CompiledStep:
     """The one-token step compiled with `compile_config` (`compiled_call.py`: for the drafter as it is when the call
-    first steps, inside its drafting scope). Its first call compiles (under a process-wide lock: one thread compiles,
-    the others reuse its graph); if compiling fails it warns once and runs `fallback` from then on, unless the failed
-    call already wrote to the cache. A static draft cache's step has fixed shapes, so a later step that compiles
-    again means its inputs change from step to step: that step's result is kept and the rest of the call drafts on
-    `fallback` (warned once), before the recompilations exhaust dynamo's limit for the process. Logits are copied out
-    of the CUDA graph's memory, which the next replay overwrites."""
+    first steps, inside its drafting scope). Its first call compiles alone (`compile_lock.py`: one thread compiles,
+    the others reuse its graph, and no thread runs a compiled forward meanwhile); if compiling fails it warns once
+    and runs `fallback` from then on, unless the failed call already wrote to the cache. A static draft cache's step
+    has fixed shapes, so a later step that compiles again means its inputs change from step to step: that step's
+    result is kept and the rest of the call drafts on `fallback` (warned once), before the recompilations exhaust
+    dynamo's limit for the process. Logits are copied out of the CUDA graph's memory, which the next replay
+    overwrites."""
 
     def __init__(self, model, cache, compile_config, fallback: ForwardStep):
         self.model, self.cache, self.compile_config, self.fallback = model, cache, compile_config, fallback
@@ -85,15 +86,16 @@ class CompiledStep:
             return self.fallback(feed, positions)
         if not self.checked:
             return self._first(feed, positions)
-        graphs = dynamo_graphs_so_far()
         try:
-            logits = self.compiled(feed, positions).clone()
+            with COMPILE_LOCK.shared():
+                graphs = dynamo_graphs_so_far()
+                logits = self.compiled(feed, positions).clone()
+                new = dynamo_graphs_so_far() - graphs
         except compiling_again_failed() as error:  # raised compiling again, before the graph ran
             self._stop("compiling the draft step again failed", error=error)
             self.eager_calls += 1
             return self.fallback(feed, positions)
         self.compiled_calls += 1
-        new = dynamo_graphs_so_far() - graphs
         if new:
             self.graphs_compiled += new
             self.recompiles += new
@@ -106,20 +108,21 @@ class CompiledStep:
     def _first(self, feed, positions) -> torch.Tensor:
         """The call's first compiled step: compiles (or reuses this process's graph); on any failure that wrote
         nothing to the cache (the one host read of its lengths), the eager step from then on."""
-        lengths, graphs, skips = self._static_lengths(), dynamo_graphs_so_far(), cuda_graph_skips_so_far()
+        lengths = self._static_lengths()
         try:
-            with _first_compiled_call:
+            with COMPILE_LOCK.alone():
+                graphs, skips = dynamo_graphs_so_far(), cuda_graph_skips_so_far()
                 compiled, _ = compiled_call(self.model, self.compile_config)
                 self.compiled = ForwardStep(functools.partial(compiled, self.model), self.cache)
                 logits = self.compiled(feed, positions).clone()
+                self.graphs_compiled += dynamo_graphs_so_far() - graphs
+                self.cuda_graph_skips += cuda_graph_skips_so_far() - skips
         except Exception as error:  # any compiler failure; the eager step is the same computation
             if self._static_lengths() != lengths:
                 raise
             self._stop("compiling the draft step failed", error=error)
             self.eager_calls += 1
             return self.fallback(feed, positions)
-        self.graphs_compiled += dynamo_graphs_so_far() - graphs
-        self.cuda_graph_skips += cuda_graph_skips_so_far() - skips
         self.compiled_calls += 1
         self.checked = True
         return logits
@@ -151,6 +154,7 @@ class CheckedLeanStep:
         self.lean, self.cache, self.slack, self.fallback = LeanDraftStep(model), cache, slack, fallback
         self.checked, self.failed = False, False
 
+    @COMPILE_LOCK.shared()
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
         if self.failed or feed.shape[1] > self.slack:
             return self.fallback(feed, positions)
@@ -192,6 +196,7 @@ class Prefill:
         self.capture_queries, self.seconds = capture_queries, 0.0
         self.media, self.rope_offset = media or {}, 0
 
+    @COMPILE_LOCK.shared()
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
         start = time.perf_counter()
         model, cache = self.eager.model, self.eager.cache

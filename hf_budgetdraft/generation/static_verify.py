@@ -15,7 +15,6 @@ too: its slack exceeds the longest bucket).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ from transformers.utils import logging
 from ..cache.ring_sliding_layer import RingSlidingLayer
 from ..cache.windowed_prefill import fill_from_prefix
 from ..compat import cache_kwargs
+from .compile_lock import COMPILE_LOCK
 from .compiled_call import call_model, compiled_call, module_guards_dropped
 from .compiled_step import (
     compiling_again_failed,
@@ -136,9 +136,6 @@ def give_back(target, cache: StaticCache, slack: int) -> None:
         )
 
 
-_first_call_of_shape = threading.Lock()
-
-
 @dataclass
 class VerifyRecord:
     """What the verification forward did in one call: calls compiled and eager, buckets, graphs compiled, the
@@ -194,6 +191,7 @@ class StaticVerify:
         if compile_config is not None:
             self.compiled_fn, self.shapes = compiled_call(target, compile_config)
 
+    @COMPILE_LOCK.shared()
     def _forward(self, fn, ids: torch.Tensor, start: int, **kwargs):
         """`fn(target, ...)` (`call_model` or its compiled form) on `ids (1, n)` at positions `start ...`."""
         start += self.position_offset
@@ -223,6 +221,7 @@ class StaticVerify:
             )[:, -1]
         return logits.float()
 
+    @COMPILE_LOCK.shared()
     def prefill_with(self, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
         """Feed the prompt `ids (1, P)` in one forward with `inputs`, those transformers' loop feeds its first
         forward only (`model_inputs.prompt_only_inputs`: an image or its encoding, the prompt's token types and
@@ -279,32 +278,37 @@ class StaticVerify:
         roll_back(self.cache, (self.padded_to - 1) - kept)
 
     def _compiled(self, padded: torch.Tensor, start: int, size: int, counted: bool = True) -> torch.Tensor:
-        """The compiled forward of `padded (1, size)`; a shape new to this process compiles first (`counted`:
-        recorded as a verification, not a capture)."""
+        """The compiled forward of `padded (1, size)`; a shape new to this process compiles first, alone
+        (`compile_lock.py`; `counted`: recorded as a verification, not a capture)."""
         shape = (size, *self.cache_shape)
-        if shape in self.shapes:
-            try:
+        if shape not in self.shapes:
+            with COMPILE_LOCK.alone():
+                if shape not in self.shapes:  # else another thread compiled it while this one waited
+                    return self._first_of_shape(padded, start, shape, counted)
+        try:
+            with COMPILE_LOCK.shared():
                 logits = self._counted(padded, start)
-            except compiling_again_failed() as error:  # its guards failed and it could not compile again
-                return self._fall_back(error, padded, start, counted)
-            self.record.compiled_calls += counted
+        except compiling_again_failed() as error:  # its guards failed and it could not compile again
+            return self._fall_back(error, padded, start, counted)
+        self.record.compiled_calls += counted
+        return logits
+
+    def _first_of_shape(self, padded: torch.Tensor, start: int, shape: tuple, counted: bool) -> torch.Tensor:
+        graphs = self.record.graphs_compiled
+        try:
+            logits = self._counted(padded, start)
+        except Exception as error:  # any compiler failure; the eager forward is the same computation
+            return self._fall_back(error, padded, start, counted)
+        # no graph for a new shape: dynamo ran the frame eagerly (its recompile limit, say)
+        if self.record.graphs_compiled == graphs:
+            self.record.failure = "torch.compile compiled no graph for a new shape (its recompile limit?)"
+            logger.warning_once(f"the target's verification runs eagerly: {self.record.failure}")
+            self.record.eager_calls += counted
             return logits
-        with _first_call_of_shape:  # one thread compiles a shape, the others reuse it
-            graphs = self.record.graphs_compiled
-            try:
-                logits = self._counted(padded, start)
-            except Exception as error:  # any compiler failure; the eager forward is the same computation
-                return self._fall_back(error, padded, start, counted)
-            # no graph for a new shape: dynamo ran the frame eagerly (its recompile limit, say)
-            if self.record.graphs_compiled == graphs:
-                self.record.failure = "torch.compile compiled no graph for a new shape (its recompile limit?)"
-                logger.warning_once(f"the target's verification runs eagerly: {self.record.failure}")
-                self.record.eager_calls += counted
-                return logits
-            self.shapes.add(shape)
-            self.record.new_shapes += 1
-            self.record.compiled_calls += counted
-            return logits
+        self.shapes.add(shape)
+        self.record.new_shapes += 1
+        self.record.compiled_calls += counted
+        return logits
 
     def _counted(self, padded: torch.Tensor, start: int) -> torch.Tensor:
         graphs, skips = dynamo_graphs_so_far(), cuda_graph_skips_so_far()

@@ -5,6 +5,7 @@ a failed compilation falls back losslessly without poisoning later compilations.
 
 import contextlib
 import copy
+import threading
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ SIZES = {
     "sink_window": {"num_sink_tokens": 4, "window_length": 40},
 }
 FULL_ATTENTION = [f for f in FAMILIES if f not in ("gemma2",)]
+TIMEOUT = 120  # seconds a held call or compilation waits before failing the test instead of hanging it
 
 
 def failing_backend(graph_module, example_inputs):
@@ -239,6 +241,88 @@ def test_the_compiled_draft_step_compiles_once_across_prompt_lengths(cache, fres
         records.append(stats.runtime["draft_step"])
     assert len(graphs) == 1 and [r["graphs_compiled"] for r in records] == [1, 0, 0]
     assert all(r["compiled_calls"] > 0 and r["eager_calls"] == r["recompiles"] == 0 for r in records)
+
+
+class _PausedStream:
+    """A streamer that holds its call at its second `put` until `go` is set, and counts its puts."""
+
+    def __init__(self, go: threading.Event):
+        self.go, self.paused, self.puts = go, threading.Event(), 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.paused.set()
+            assert self.go.wait(TIMEOUT), "the test never let this call go on"
+
+    def end(self):
+        pass
+
+
+@needs_traceable_transformers
+@pytest.mark.parametrize("stepping", ["compiled", "eager"])
+def test_a_compilation_holds_off_another_calls_forwards(stepping, fresh_dynamo):
+    """Two calls on shared models: while one compiles its verification (a backend held mid-compilation), the other
+    runs no forward, compiled or eager; afterwards neither counts the other's graphs: no compilation failed, none
+    recompiled, each output the target's own. Run together, the compilation failed in dynamo's guard building
+    (the other call's forward reset transformers' output collector under the trace), and a compiled call took the
+    other's graphs for recompilations of its own step and drafted eagerly from then on."""
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    draft_backend, _ = graph_counter()
+    drafter.generation_config.compile_config = CompileConfig(
+        backend=draft_backend, fullgraph=True, dynamic=False, mode=None
+    )
+    config = {"draft_length": 3, "lean_step": False}
+    eager = {"compile": False, "compile_verify": False} if stepping == "eager" else {}
+    stepping_ids, compiling_ids = random_prompt(120, seed=1), random_prompt(150, seed=2)
+    expected = {
+        "stepping": target.generate(stepping_ids, do_sample=False, max_new_tokens=60),
+        "compiling": target.generate(compiling_ids, do_sample=False, max_new_tokens=20),
+    }
+    warm_backend, _ = graph_counter()
+    speculate_compiled(
+        target, drafter, stepping_ids, warm_backend, 60, cache_config=config
+    )  # compiles its shapes
+    compiling, go = threading.Event(), threading.Event()
+
+    def held_backend(graph_module, example_inputs):
+        compiling.set()
+        assert go.wait(TIMEOUT), "the test never let the compilation end"
+        return graph_module.forward
+
+    stream, results = _PausedStream(compiling), {}
+
+    def run(name, ids, backend, new_tokens, cache_config, **kwargs):
+        results[name] = speculate_compiled(
+            target, drafter, ids, backend, new_tokens, cache_config=cache_config, **kwargs
+        )
+
+    stepping_call = threading.Thread(
+        target=run,
+        args=("stepping", stepping_ids, warm_backend, 60, {**config, **eager}),
+        kwargs={"streamer": stream},
+        daemon=True,
+    )
+    stepping_call.start()
+    assert stream.paused.wait(TIMEOUT)
+    other = threading.Thread(
+        target=run, args=("compiling", compiling_ids, held_backend, 20, config), daemon=True
+    )
+    other.start()
+    assert compiling.wait(TIMEOUT)  # the other call is compiling; the stepping call goes on to its next round
+    assert not go.wait(0.5)  # time for the stepping call to (wrongly) run forwards while the other compiles
+    assert stream.puts == 2 and stepping_call.is_alive()
+    go.set()
+    for thread in (stepping_call, other):
+        thread.join(TIMEOUT)
+    for name, (out, stats) in results.items():
+        verify, draft = stats.runtime["verify"], stats.runtime["draft_step"]
+        assert torch.equal(out, expected[name]), name
+        assert verify["failure"] is draft["failure"] is None, name
+        assert verify["recompiles"] == draft["recompiles"] == draft["eager_calls"] == 0, name
+    verify, draft = results["stepping"][1].runtime["verify"], results["stepping"][1].runtime["draft_step"]
+    assert verify["compiled"] is draft["compiled"] is (stepping == "compiled")
+    assert verify["new_shapes"] == 0 and (verify["eager_calls"] == 0) is (stepping == "compiled")
 
 
 def test_a_confidence_threshold_keeps_transformers_loop():
