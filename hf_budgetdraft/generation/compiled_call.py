@@ -21,10 +21,10 @@ from transformers import CompileConfig
 
 from .model_state import model_state
 
-# compiled functions kept in the process, one per compile config and model state (models in the same state, such as
-# copies of one model, share one: its graphs read the weights and caches they are given)
+# compiled functions kept in the process, one per compile config, model state and variant (models in the same state,
+# such as copies of one model, share one: its graphs read the weights and caches they are given)
 FUNCTIONS_KEPT = 16
-# (compile config key, fingerprint) -> (fn, shapes), least recently used first
+# (compile config key, fingerprint, variant) -> (fn, shapes), least recently used first
 _functions: OrderedDict = OrderedDict()
 _functions_lock = threading.Lock()
 _PLAIN = frozenset((bool, int, float, str, bytes, type(None), torch.dtype, torch.device))
@@ -118,11 +118,13 @@ def module_guards_dropped(config: CompileConfig) -> bool:
     return "guard_filter_fn" in (_compile_options(config).get("options") or {})
 
 
-def compiled_call(model, config: CompileConfig) -> tuple:
+def compiled_call(model, config: CompileConfig, variant: tuple = ()) -> tuple:
     """`(fn, shapes)`: `call_model` compiled with `config` for models in `model`'s present state (call it as
-    `fn(model, **kwargs)`), and the set of shapes it has compiled (the caller's to fill). Built once per config and
-    model state; the least recently used beyond `FUNCTIONS_KEPT` is dropped with its graphs."""
-    key = (_config_key(config), module_fingerprint(model))
+    `fn(model, **kwargs)`), and the set of shapes it has compiled (the caller's to fill). Built once per config,
+    model state and `variant`: a function of its own, so its graphs count against dynamo's recompile limit (per
+    code object) apart from those of other variants (a verification's cache size). The least recently used beyond
+    `FUNCTIONS_KEPT` is dropped with its graphs."""
+    key = (_config_key(config), module_fingerprint(model), variant)
     with _functions_lock:
         if key in _functions:
             _functions.move_to_end(key)

@@ -189,7 +189,8 @@ class StaticVerify:
         # how far positions run past the cache's count (after an image: `prefill_with`)
         self.position_offset = 0
         if compile_config is not None:
-            self.compiled_fn, self.shapes = compiled_call(target, compile_config)
+            # one function per cache shape: each compiles only its buckets, within dynamo's recompile limit
+            self.compiled_fn, self.shapes = compiled_call(target, compile_config, variant=self.cache_shape)
 
     @COMPILE_LOCK.shared()
     def _forward(self, fn, ids: torch.Tensor, start: int, **kwargs):
@@ -324,8 +325,8 @@ class StaticVerify:
         logger.warning_once(
             f"compiling the target's verification failed ({self.record.failure}); verifying eagerly instead "
             "(lossless). Pass cache_config={'compile_verify': False} or generate(disable_compile=True) to skip it. "
-            "torch._dynamo.config.recompile_limit bounds the shapes (verification buckets x cache sizes) one model "
-            "compiles: a process calling it at many lengths may need it raised."
+            "Each cache size compiles its verification buckets as a function of its own, within "
+            "torch._dynamo.config.recompile_limit; torch._dynamo.config.accumulated_recompile_limit bounds them all."
         )
         logger.debug("the verification's compilation failed", exc_info=True)
         self.record.eager_calls += counted

@@ -243,6 +243,27 @@ def test_the_compiled_draft_step_compiles_once_across_prompt_lengths(cache, fres
     assert all(r["compiled_calls"] > 0 and r["eager_calls"] == r["recompiles"] == 0 for r in records)
 
 
+@needs_traceable_transformers
+def test_every_cache_size_verifies_compiled_within_the_recompile_limit(fresh_dynamo, monkeypatch):
+    """Each static cache size verifies through a compiled function of its own: with one function for every size,
+    dynamo's recompile limit (per code object) left every size past the first few verifying eagerly."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)  # two buckets a size under CUDA's rules
+    target, drafter = model_pair("llama", "sdpa", num_assistant_tokens=None)
+    backend, graphs = graph_counter()
+    sizes = set()
+    with cuda_rules_on_cpu():
+        for length in (100, 400, 700):  # three cache sizes (multiples of 256 positions)
+            ids = random_prompt(length, seed=length)
+            expected = target.generate(ids, do_sample=False, max_new_tokens=10)
+            config = {"draft_length": 3, "compile": False}
+            out, stats = speculate_compiled(target, drafter, ids, backend, 10, cache_config=config)
+            verify = stats.runtime["verify"]
+            assert torch.equal(out, expected)
+            assert verify["failure"] is None and verify["eager_calls"] == 0 and verify["new_shapes"] == 2
+            sizes.add(stats.candidate_generator.verify.cache_shape)
+    assert len(sizes) == 3 and len(graphs) == 6
+
+
 class _PausedStream:
     """A streamer that holds its call at its second `put` until `go` is set, and counts its puts."""
 
