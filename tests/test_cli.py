@@ -81,6 +81,29 @@ def test_generate_on_an_accelerator_warms_up_and_compares_with_the_compiled_stat
     assert calls == [one_liner, stock, fast, static, static, one_liner]  # warm-ups first, untimed
 
 
+def test_a_batch_on_an_accelerator_warms_up_and_compares_with_the_compiled_static_ar(capsys, monkeypatch):
+    """The batched job on an accelerator (faked: on the CPU transformers runs the static cache eagerly): transformers'
+    static-cache batched AR and the batched one-liner run once untimed, then the static AR is a baseline beside
+    batched AR, its rows the same as the other baseline's."""
+    import hf_budgetdraft.runs.batch_call as batch_call
+
+    static_runs, static = [], batch_call.run_batch_static_ar
+
+    def recorded(*args, **kwargs):
+        static_runs.append(static(*args, **kwargs))
+        return static_runs[-1]
+
+    monkeypatch.setattr(generate_module, "compiles_on_first_call", lambda device: True)
+    monkeypatch.setattr(batch_call, "run_batch_static_ar", recorded)
+    args = ["--random_models", "--batch_size", "2", "--context_length", "200", "--max_new_tokens", "6"]
+    code = main(["generate", *args, "--budget", "64", "--window_length", "64", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "warming up: batched static AR and the one-liner" in out
+    assert _field(r"greedy diff vs batched AR: (\d+) tokens over 2 rows \(identical\)", out) == 0
+    assert re.search(r"vs batched static AR \(transformers' compiled fast path\) [\d.]+ tok/s = [\d.]+x", out)
+    assert len(static_runs) == 2 and torch.equal(static_runs[0].sequences, static_runs[1].sequences)
+
+
 def test_no_command_prints_the_usage():
     assert main([]) == 2
 

@@ -1,6 +1,8 @@
 """Timed batched calls: one `generate()` of a left-padded batch, `new_tokens` tokens per row, exactly.
 
 - `ar`: batched autoregressive decoding on the package's fast target (`budgetdraft_sdpa`, a `GrowableCache`);
+- `run_batch_static_ar`: transformers' own static-cache batched AR (`cache_implementation="static"`, compiled on its
+  first call on an accelerator: the baseline a GPU user has; `hf-budgetdraft generate` runs it there);
 - `loop_ar`: the speculative loop with `draft_length=0`, the target alone on its ragged cache;
 - `speculative`: `generate(batch, attention_mask=mask, assistant_model=drafter, cache_implementation=...)`, the
   one-liner for a batch (every default; `cache_config` optional);
@@ -91,6 +93,30 @@ def run_batch_ar(target, ids, mask, new_tokens: int, sampling: dict | None = Non
         prefill_seconds=streamer.times[0] - start if streamer.times else seconds,
         row_latency_seconds=[seconds] * ids.shape[0],
         target_cache_bytes=cache_nbytes(cache),
+    )
+
+
+@torch.inference_mode()
+def run_batch_static_ar(target, ids, mask, new_tokens: int, sampling: dict | None = None) -> BatchRun:
+    """transformers' batched AR on a static cache, the target as loaded (on CUDA/XPU transformers compiles its
+    forward on the first call: run it once untimed first)."""
+    streamer = ChunkTimer()
+    start = time.perf_counter()
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        cache_implementation="static",
+        streamer=streamer,
+        **_kwargs(new_tokens, sampling),
+    )
+    seconds = time.perf_counter() - start
+    return BatchRun(
+        method="ar_static",
+        sequences=out,
+        prompt_width=ids.shape[1],
+        seconds=seconds,
+        prefill_seconds=streamer.times[0] - start if streamer.times else seconds,
+        row_latency_seconds=[seconds] * ids.shape[0],
     )
 
 
