@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 
 
+def greedy_kept(drafts: torch.Tensor, choice: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """`(B,)` drafts kept per row: `drafts (B, γ)` up to the first that differs from the target's argmax `choice
+    (B, γ + 1)`, at most `limits (B,)`."""
+    agree = drafts == choice[:, : drafts.shape[1]]
+    return torch.minimum(agree.long().cumprod(-1).sum(-1), limits)
+
+
 def greedy_accept(
     drafts: torch.Tensor, target_logits: torch.Tensor, limits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`drafts (B, γ)`, processed target logits `(B, γ + 1, V)`, `limits (B,)` (drafts a row may keep) ->
     `(kept (B,), next_token (B,))`: kept drafts per row and the target's token after them."""
     choice = target_logits.argmax(-1)  # (B, γ + 1)
-    agree = drafts == choice[:, : drafts.shape[1]]
-    kept = torch.minimum(agree.long().cumprod(-1).sum(-1), limits)
+    kept = greedy_kept(drafts, choice, limits)
     return kept, choice.gather(1, kept[:, None])[:, 0]
 
 
@@ -86,16 +92,19 @@ def accept_round(
     on_device: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A verified round's outcome for every row: `(kept (B,), new (B, γ + 1))`, row b's tokens `new[b, : kept[b] + 1]`
-    (its kept drafts, then the target's token). Greedy: `greedy_accept`; sampling: `speculative_accept`, or with no
-    drafts a draw from the target's distribution. `on_device`: nothing read on the host (`sample_on_device`)."""
-    if sample and drafts.shape[1]:
+    (its kept drafts, then the target's token; what follows is unspecified). Greedy: the target's argmax at every
+    position, which the kept drafts equal and which holds the token after them (`greedy_kept`); sampling:
+    `speculative_accept`, or with no drafts a draw from the target's distribution. `on_device`: nothing read on the
+    host (`sample_on_device`)."""
+    if not sample:
+        choice = target_logits.argmax(-1)  # (B, γ + 1)
+        return greedy_kept(drafts, choice, limits), choice
+    if drafts.shape[1]:
         kept, bonus = speculative_accept(drafts, draft_logits, target_logits, limits, on_device=on_device)
-    elif sample:
+    else:
         probs = target_logits[:, 0].softmax(-1)  # (B, V)
         kept = limits
         bonus = sample_on_device(probs) if on_device else torch.multinomial(probs, 1)[:, 0]
-    else:
-        kept, bonus = greedy_accept(drafts, target_logits, limits)
     new = torch.cat([drafts, bonus[:, None]], 1)
     new.scatter_(1, kept[:, None], bonus[:, None])
     return kept, new

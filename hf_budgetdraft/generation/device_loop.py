@@ -129,10 +129,19 @@ class DeviceRound:
         """`(1, n)` tokens from processed `(1, n, V)` logits: argmax, or a draw made on the device."""
         return sample_on_device(logits.softmax(-1)) if self.sample else logits.argmax(-1)
 
+    def _next_draft(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft token after the draft's `logits (1, V)` for `position`: `(token (1, 1), processed logits
+        (1, 1, V))`; greedy without processors, an argmax alone (a round's host time is counted in such ops)."""
+        if not (self.processors or self.sample):
+            return logits.argmax(-1, keepdim=True), None
+        processed = self._process(logits[:, None], position)
+        return self._pick(processed), processed
+
     def _draft(
         self, tokens: torch.Tensor, length: int, gamma: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft `gamma` tokens after `tokens[:, :length]`: `(drafts (1, γ), processed draft logits (1, γ, V))`."""
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Draft `gamma` tokens after `tokens[:, :length]`: `(γ drafts (1, 1), processed draft logits (1, γ, V)
+        when sampling)`."""
         # a copy with its own layout, not a strided view of `tokens`: a compiled step would see a (1, 1) slice's
         # stride as a new input and compile again
         feed = tokens[:, self.draft_seen : length].clone(memory_format=torch.contiguous_format)
@@ -141,36 +150,40 @@ class DeviceRound:
             logits = self.steps(feed, self.draft_seen, None)
             self.draft_seen = length
             for k in range(gamma):
-                processed = self._process(logits[:, None], length + k)
-                token = self._pick(processed)  # (1, 1)
+                token, processed = self._next_draft(logits, length + k)
                 drafts.append(token)
                 scores.append(processed)
                 if k + 1 < gamma:
                     logits = self.steps(token, length + k, None)
                     self.draft_seen += 1
-        return torch.cat(drafts, 1), (torch.cat(scores, 1) if self.sample else None)
+        return drafts, (torch.cat(scores, 1) if self.sample else None)
+
+    def _limits(self, gamma: int, device: torch.device) -> torch.Tensor:
+        """`(1,)` long: `gamma` on the device, made once per call and length (never written)."""
+        if gamma not in self.limits:
+            self.limits[gamma] = torch.full((1,), gamma, dtype=torch.long, device=device)
+        return self.limits[gamma]
 
     def _round(self, tokens: torch.Tensor, length: int, gamma: int) -> tuple[int, int]:
         """Draft, verify and accept after `tokens[:, :length]`; writes the new tokens from `length` on and returns
         `(kept, tokens up to and with the first EOS among the kept + 1, else 0)`: the round's one host read."""
         self.clock.start()
-        drafts, draft_logits = self._draft(tokens, length, gamma) if gamma else (tokens.new_zeros(1, 0), None)
+        drafts, draft_logits = self._draft(tokens, length, gamma) if gamma else ([], None)
         self.clock.drafted(gamma)
-        fed = torch.cat([tokens[:, length - 1 : length], drafts], 1)
+        fed = torch.cat([tokens[:, length - 1 : length], *drafts], 1)  # (1, γ + 1)
         logits = self._process(self.verify(fed, length - 1), length)
-        limits = torch.full((1,), gamma, dtype=torch.long, device=drafts.device)
+        limits = self._limits(gamma, fed.device)
         kept, new = accept_round(
-            drafts, draft_logits, logits, limits, self.sample, on_device=True
+            fed[:, 1:], draft_logits, logits, limits, self.sample, on_device=True
         )  # (1,), (1, γ + 1)
         kept = kept[0]
         self.verify.keep(kept)  # the target's rollback, queued before the read below
         tokens[:, length : length + gamma + 1] = new
-        eos_end = torch.zeros_like(kept)
-        if self.eos is not None:
-            is_eos = torch.isin(new[0], self.eos) & (torch.arange(gamma + 1, device=new.device) <= kept)
-            eos_end = torch.where(is_eos.any(), is_eos.long().argmax() + 1, eos_end)
-        kept, eos_end = torch.stack([kept, eos_end]).tolist()  # the round's one synchronisation
-        return kept, eos_end
+        if self.eos is None:
+            return int(kept), 0  # the round's one synchronisation
+        leading = (~torch.isin(new[0], self.eos)).cumprod(0).sum()  # new tokens before the first EOS
+        kept, leading = torch.stack([kept, leading]).tolist()  # the round's one synchronisation
+        return kept, (leading + 1 if leading <= kept else 0)
 
     def _roll_back(self, length: int, gamma: int, kept: int) -> None:
         """The draft cache keeps at most `length + kept` tokens (the target's rolled back in `_round`)."""
@@ -216,7 +229,7 @@ class DeviceRound:
         tokens = input_ids.new_zeros(1, prompt + budget + self.most + 1)
         tokens[:, :prompt] = input_ids
         self.clock = RoundClock(self.draft_length, input_ids.device)
-        self.draft_seen = 0
+        self.draft_seen, self.limits = 0, {}
         start = time.perf_counter()
         if self.prompt_inputs:
             logits = self.verify.prefill_with(input_ids, self.prompt_inputs)

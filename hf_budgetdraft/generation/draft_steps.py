@@ -37,10 +37,11 @@ logger = logging.get_logger(__name__)
 class ForwardStep:
     """A forward of `model` (the drafter, or its compiled call) on its draft cache: the eager step, and what
     `CompiledStep` calls; inside `query_capture` when `capture_queries` (a cache that selects with each step's
-    queries)."""
+    queries). `copy_out`: the logits are always a tensor of their own (a CUDA graph's output is overwritten by its
+    next replay; float32 logits are copied, others are by their cast)."""
 
-    def __init__(self, model, cache, capture_queries: bool = False):
-        self.model, self.cache, self.capture_queries = model, cache, capture_queries
+    def __init__(self, model, cache, capture_queries: bool = False, copy_out: bool = False):
+        self.model, self.cache, self.capture_queries, self.copy_out = model, cache, capture_queries, copy_out
 
     @COMPILE_LOCK.shared()
     def __call__(self, feed, positions, mask=None) -> torch.Tensor:
@@ -54,7 +55,10 @@ class ForwardStep:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        return out.logits[:, -1, :].float()
+        logits = out.logits[:, -1, :]
+        if logits.dtype != torch.float32:
+            return logits.float()
+        return logits.clone() if self.copy_out else logits
 
 
 class CompiledStep:
@@ -89,7 +93,7 @@ class CompiledStep:
         try:
             with COMPILE_LOCK.shared():
                 graphs = dynamo_graphs_so_far()
-                logits = self.compiled(feed, positions).clone()
+                logits = self.compiled(feed, positions)
                 new = dynamo_graphs_so_far() - graphs
         except compiling_again_failed() as error:  # raised compiling again, before the graph ran
             self._stop("compiling the draft step again failed", error=error)
@@ -113,8 +117,10 @@ class CompiledStep:
             with COMPILE_LOCK.alone():
                 graphs, skips = dynamo_graphs_so_far(), cuda_graph_skips_so_far()
                 compiled, _ = compiled_call(self.model, self.compile_config)
-                self.compiled = ForwardStep(functools.partial(compiled, self.model), self.cache)
-                logits = self.compiled(feed, positions).clone()
+                self.compiled = ForwardStep(
+                    functools.partial(compiled, self.model), self.cache, copy_out=True
+                )
+                logits = self.compiled(feed, positions)
                 self.graphs_compiled += dynamo_graphs_so_far() - graphs
                 self.cuda_graph_skips += cuda_graph_skips_so_far() - skips
         except Exception as error:  # any compiler failure; the eager step is the same computation

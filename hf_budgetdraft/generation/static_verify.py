@@ -270,7 +270,8 @@ class StaticVerify:
         if self.compiled_fn is None or self.record.failure is not None:
             self.record.eager_calls += 1
             return self._forward(call_model, padded, start)[:, :n].float()
-        return self._compiled(padded, start, size)[:, :n].float().clone()
+        logits = self._compiled(padded, start, size)[:, :n]
+        return logits.float() if logits.dtype != torch.float32 else logits.clone()
 
     def keep(self, kept: torch.Tensor) -> None:
         """After a verification, keep its newest token and `kept (0-dim, device)` drafts: the rejected drafts and
