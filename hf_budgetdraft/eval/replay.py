@@ -109,8 +109,8 @@ class ReplayedAcceptance:
             return generator
 
         def draft(round_, tokens, length, gamma):
-            drafts, logits = stock_draft(round_, tokens, length, gamma)
-            return replay.rewrite(drafts, length), logits
+            drafts, logits = stock_draft(round_, tokens, length, gamma)  # γ tokens (1, 1)
+            return list(replay.rewrite(torch.cat(drafts, 1), length).split(1, dim=1)), logits
 
         GenerationMixin._get_candidate_generator = candidate_generator
         DeviceRound._draft = draft
