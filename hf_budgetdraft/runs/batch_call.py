@@ -70,54 +70,39 @@ def _kwargs(new_tokens: int, sampling: dict | None) -> dict:
     return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "pad_token_id": 0, **sample}
 
 
-@torch.inference_mode()
-def run_batch_ar(target, ids, mask, new_tokens: int, sampling: dict | None = None) -> BatchRun:
-    """Batched AR on the fast target (`budgetdraft_sdpa` + `GrowableCache` + few-row linear layers)."""
-    cache = GrowableCache(config=target.config, initial_capacity=ids.shape[1] + new_tokens)
+def _timed_ar(method: str, target, ids, mask, new_tokens: int, sampling: dict | None, **cache) -> BatchRun:
+    """One timed batched AR call of `target.generate`; `cache`: its cache arguments."""
     streamer = ChunkTimer()
-    with using_attention(target, FAST_SDPA), few_row_linears(target):
-        start = time.perf_counter()
-        out = target.generate(
-            ids,
-            attention_mask=mask,
-            **cache_kwargs(cache),
-            streamer=streamer,
-            **_kwargs(new_tokens, sampling),
-        )
-        seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    out = target.generate(
+        ids, attention_mask=mask, streamer=streamer, **cache, **_kwargs(new_tokens, sampling)
+    )
+    seconds = time.perf_counter() - start
     return BatchRun(
-        method="ar",
+        method=method,
         sequences=out,
         prompt_width=ids.shape[1],
         seconds=seconds,
         prefill_seconds=streamer.times[0] - start if streamer.times else seconds,
         row_latency_seconds=[seconds] * ids.shape[0],
-        target_cache_bytes=cache_nbytes(cache),
     )
+
+
+@torch.inference_mode()
+def run_batch_ar(target, ids, mask, new_tokens: int, sampling: dict | None = None) -> BatchRun:
+    """Batched AR on the fast target (`budgetdraft_sdpa` + `GrowableCache` + few-row linear layers)."""
+    cache = GrowableCache(config=target.config, initial_capacity=ids.shape[1] + new_tokens)
+    with using_attention(target, FAST_SDPA), few_row_linears(target):
+        run = _timed_ar("ar", target, ids, mask, new_tokens, sampling, **cache_kwargs(cache))
+    run.target_cache_bytes = cache_nbytes(cache)
+    return run
 
 
 @torch.inference_mode()
 def run_batch_static_ar(target, ids, mask, new_tokens: int, sampling: dict | None = None) -> BatchRun:
     """transformers' batched AR on a static cache, the target as loaded (on CUDA/XPU transformers compiles its
     forward on the first call: run it once untimed first)."""
-    streamer = ChunkTimer()
-    start = time.perf_counter()
-    out = target.generate(
-        ids,
-        attention_mask=mask,
-        cache_implementation="static",
-        streamer=streamer,
-        **_kwargs(new_tokens, sampling),
-    )
-    seconds = time.perf_counter() - start
-    return BatchRun(
-        method="ar_static",
-        sequences=out,
-        prompt_width=ids.shape[1],
-        seconds=seconds,
-        prefill_seconds=streamer.times[0] - start if streamer.times else seconds,
-        row_latency_seconds=[seconds] * ids.shape[0],
-    )
+    return _timed_ar("ar_static", target, ids, mask, new_tokens, sampling, cache_implementation="static")
 
 
 @torch.inference_mode()
