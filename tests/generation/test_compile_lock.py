@@ -25,6 +25,14 @@ def _hold(lock_side, entered: threading.Event, leave: threading.Event) -> thread
     return thread
 
 
+def _until_waiting(lock: CompileLock) -> None:
+    """Return once a compilation waits on `lock` (fail after `TIMEOUT`)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not lock._waiting:
+        assert time.monotonic() < deadline, "no compilation ever waited"
+        time.sleep(0.001)
+
+
 def test_compiled_forwards_run_together():
     lock = CompileLock()
     leave = threading.Event()
@@ -44,9 +52,7 @@ def test_a_compilation_waits_for_the_forwards_in_flight_and_holds_off_later_ones
     compile_in, compile_out = threading.Event(), threading.Event()
     compilation = _hold(lock.alone, compile_in, compile_out)
     later_in, later_out = threading.Event(), threading.Event()
-    while not lock._waiting:  # the compilation is queued behind the forward in flight
-        assert compilation.is_alive()
-        time.sleep(0.001)
+    _until_waiting(lock)  # the compilation is queued behind the forward in flight
     later = _hold(lock.shared, later_in, later_out)
     assert not later_in.wait(0.2)  # held off: the compilation waits (a forward let in could starve it)
     assert not compile_in.is_set()
@@ -67,8 +73,7 @@ def test_compilations_run_one_at_a_time():
     assert first_in.wait(TIMEOUT)
     second_in, second_out = threading.Event(), threading.Event()
     second = _hold(lock.alone, second_in, second_out)
-    while not lock._waiting:
-        time.sleep(0.001)
+    _until_waiting(lock)
     assert not second_in.is_set()
     first_out.set()
     assert second_in.wait(TIMEOUT)
