@@ -44,11 +44,16 @@ _CACHE_PARAMETERS = {
     for name, cls in CACHE_CLASSES.items()
 }
 _CACHE_OPTIONS = {name: tuple(p.name for p in params) for name, params in _CACHE_PARAMETERS.items()}
+
+
+def cache_defaults(name: str, options: tuple[str, ...]) -> dict:
+    """The defaults of the `name` draft cache's `options`, from its class's signature."""
+    defaults = {p.name: p.default for p in _CACHE_PARAMETERS[name]}
+    return {option: defaults[option] for option in options}
+
+
 # sink_window keeps a long window, budgeted a short one after the prefill
-_DEFAULT_WINDOW = {
-    name: next(p.default for p in params if p.name == "window_length")
-    for name, params in _CACHE_PARAMETERS.items()
-}
+_DEFAULT_WINDOW = {name: cache_defaults(name, ("window_length",))["window_length"] for name in CACHE_CLASSES}
 _RUN_OPTIONS = (
     "lean_step",
     "compile",

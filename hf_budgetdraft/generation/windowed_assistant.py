@@ -18,24 +18,18 @@ The target still verifies every token with full attention, so the output is unch
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 
 import torch
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 
-from ..cache.draft_cache import BudgetedCache, SinkWindowCache
 from ..cache.selection import BudgetSelection
 from ..cache.sizes import check_size
 from .cache_config import WindowedSpec
+from .spec import cache_defaults
 
 # the class-name prefixes transformers' own generate() reads as shared-KV assistants
 SHARED_KV_ASSISTANTS = ("Gemma4Assistant", "Gemma4UnifiedAssistant")
-
-
-def _defaults(cache_class, names: tuple[str, ...]) -> dict:
-    parameters = inspect.signature(cache_class.__init__).parameters
-    return {name: parameters[name].default for name in names}
 
 
 def is_shared_kv_assistant(model) -> bool:
@@ -94,10 +88,10 @@ class BudgetRead:
 
 
 READS = {
-    "sink_window": (SinkWindowRead, _defaults(SinkWindowCache, ("num_sink_tokens", "window_length"))),
+    "sink_window": (SinkWindowRead, cache_defaults("sink_window", ("num_sink_tokens", "window_length"))),
     "budgeted": (
         BudgetRead,
-        _defaults(BudgetedCache, ("budget", "policy", "window_length", "policy_kwargs")),
+        cache_defaults("budgeted", ("budget", "policy", "window_length", "policy_kwargs")),
     ),
 }
 
