@@ -12,17 +12,27 @@ from hf_budgetdraft.generation.compile_lock import CompileLock
 TIMEOUT = 30  # seconds a thread waits before the test fails instead of hanging
 
 
-def _hold(lock_side, entered: threading.Event, leave: threading.Event) -> threading.Thread:
-    """A thread that enters `lock_side()`, sets `entered`, and leaves once `leave` is set."""
+class _Holder:
+    """A thread that enters `lock_side()`, sets `entered`, and leaves once released."""
 
-    def run():
+    def __init__(self, lock_side):
+        self.entered, self._leave = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(lock_side,), daemon=True)
+        self.thread.start()
+
+    def _run(self, lock_side):
         with lock_side():
-            entered.set()
-            assert leave.wait(TIMEOUT)
+            self.entered.set()
+            assert self._leave.wait(TIMEOUT)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    def release(self) -> None:
+        self._leave.set()
+
+
+def _join(*holders: _Holder) -> None:
+    for holder in holders:
+        holder.thread.join(TIMEOUT)
+        assert not holder.thread.is_alive()
 
 
 def _until_waiting(lock: CompileLock) -> None:
@@ -35,51 +45,42 @@ def _until_waiting(lock: CompileLock) -> None:
 
 def test_compiled_forwards_run_together():
     lock = CompileLock()
-    leave = threading.Event()
-    entered = [threading.Event() for _ in range(3)]
-    threads = [_hold(lock.shared, event, leave) for event in entered]
-    assert all(event.wait(TIMEOUT) for event in entered)  # all three inside at once
-    leave.set()
-    for thread in threads:
-        thread.join(TIMEOUT)
+    forwards = [_Holder(lock.shared) for _ in range(3)]
+    assert all(forward.entered.wait(TIMEOUT) for forward in forwards)  # all three inside at once
+    for forward in forwards:
+        forward.release()
+    _join(*forwards)
 
 
 def test_a_compilation_waits_for_the_forwards_in_flight_and_holds_off_later_ones():
     lock = CompileLock()
-    forward_in, forward_out = threading.Event(), threading.Event()
-    forward = _hold(lock.shared, forward_in, forward_out)
-    assert forward_in.wait(TIMEOUT)
-    compile_in, compile_out = threading.Event(), threading.Event()
-    compilation = _hold(lock.alone, compile_in, compile_out)
-    later_in, later_out = threading.Event(), threading.Event()
+    forward = _Holder(lock.shared)
+    assert forward.entered.wait(TIMEOUT)
+    compilation = _Holder(lock.alone)
     _until_waiting(lock)  # the compilation is queued behind the forward in flight
-    later = _hold(lock.shared, later_in, later_out)
-    assert not later_in.wait(0.2)  # held off: the compilation waits (a forward let in could starve it)
-    assert not compile_in.is_set()
-    forward_out.set()  # the forward in flight ends: the compilation, not the later forward, goes next
-    assert compile_in.wait(TIMEOUT)
-    assert not later_in.is_set()
-    compile_out.set()
-    assert later_in.wait(TIMEOUT)
-    later_out.set()
-    for thread in (forward, compilation, later):
-        thread.join(TIMEOUT)
+    later = _Holder(lock.shared)
+    assert not later.entered.wait(0.2)  # held off: the compilation waits (a forward let in could starve it)
+    assert not compilation.entered.is_set()
+    forward.release()  # the forward in flight ends: the compilation, not the later forward, goes next
+    assert compilation.entered.wait(TIMEOUT)
+    assert not later.entered.is_set()
+    compilation.release()
+    assert later.entered.wait(TIMEOUT)
+    later.release()
+    _join(forward, compilation, later)
 
 
 def test_compilations_run_one_at_a_time():
     lock = CompileLock()
-    first_in, first_out = threading.Event(), threading.Event()
-    first = _hold(lock.alone, first_in, first_out)
-    assert first_in.wait(TIMEOUT)
-    second_in, second_out = threading.Event(), threading.Event()
-    second = _hold(lock.alone, second_in, second_out)
+    first = _Holder(lock.alone)
+    assert first.entered.wait(TIMEOUT)
+    second = _Holder(lock.alone)
     _until_waiting(lock)
-    assert not second_in.is_set()
-    first_out.set()
-    assert second_in.wait(TIMEOUT)
-    second_out.set()
-    for thread in (first, second):
-        thread.join(TIMEOUT)
+    assert not second.entered.is_set()
+    first.release()
+    assert second.entered.wait(TIMEOUT)
+    second.release()
+    _join(first, second)
 
 
 def test_a_side_taken_again_in_the_same_thread_takes_nothing_more():
